@@ -1,0 +1,61 @@
+"""
+nanoGPT-style configuration: a script keeps its settings as plain module-level variables, then calls
+
+    from configurator import configure
+    configure(globals(), sys.argv[1:])
+
+which runs the config files named on the command line (python files of `key = value` lines), then applies the
+`--key=value` overrides. Values are read with ast.literal_eval, never eval; a value that is no Python literal is taken
+as a bare string (`--dataset=builtin`). Anything wrong stops the script with one line on stderr and exit code 2.
+"""
+
+import ast
+import os
+import sys
+
+SIMPLE_TYPES = (int, float, bool, str, type(None))
+
+
+def die(message):
+    """Stop with a one-line error and exit code 2: no traceback, since the problem is the input, not the code."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _checked(key, value, config, source):
+    """The value converted to the type of the key's default; dies on an unknown key or a wrong type."""
+    if key not in config:
+        die(f"unknown config key '{key}' in {source}; known keys: {', '.join(sorted(config))}")
+    default = config[key]
+    if default is None or value is None or type(value) is type(default):
+        return value
+    if type(default) is float and type(value) is int:
+        return float(value)
+    die(f"config key '{key}' in {source} must be {type(default).__name__} (like {default!r}), "
+        f"got {type(value).__name__} {value!r}")
+
+
+def configure(namespace, argv):
+    config = {k: v for k, v in namespace.items() if not k.startswith("_") and isinstance(v, SIMPLE_TYPES)}
+    for arg in argv:
+        if not arg.startswith("--"):
+            if not os.path.isfile(arg):
+                die(f"config file not found: {arg} (config files live in config/, e.g. config/smoke_cpu.py)")
+            settings = {}
+            with open(arg) as f:
+                exec(compile(f.read(), arg, "exec"), settings)
+            for key, value in settings.items():
+                if not key.startswith("_") and isinstance(value, SIMPLE_TYPES):
+                    config[key] = namespace[key] = _checked(key, value, config, arg)
+            continue
+        key, eq, text = arg[2:].partition("=")
+        if not eq:
+            die(f"override {arg} has no value; write it as --{key}=value")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text  # a bare string, e.g. --device=cpu
+        if isinstance(config.get(key), str) and not isinstance(value, str):
+            value = text  # a string setting keeps what was typed, e.g. --out_dir=2024
+        config[key] = namespace[key] = _checked(key, value, config, f"--{key}")
+    return config

@@ -1,0 +1,295 @@
+"""
+A looped GPT with DeepLoop residual scaling, in one file.
+
+A looped GPT stores `n_layer` physical blocks and runs the whole stack `n_loop` times, so the network is
+`unrolled_depth = n_layer * n_loop` blocks deep while holding only `n_layer` blocks of parameters.
+
+DeepLoop keeps DeepNorm's Post-LN block, x = LN(alpha * x + f(x)), and only changes the two numbers alpha (how much
+the residual stream is up-weighted) and beta (how much the residual branches are down-scaled at init). All of the
+method is `residual_coefficients` below; everything else in this file is a GPT-2 that can loop.
+"""
+
+import inspect
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+from torch.func import functional_call
+
+from configurator import die
+
+RESIDUALS = ("deeploop", "deepnorm", "postln", "preln")
+
+
+def residual_coefficients(residual, unrolled_depth):
+    """Return (alpha, beta) for a residual scheme at unrolled depth N = n_layer * n_loop.
+
+        deeploop: alpha = (2N)^(1/2),  beta = (8N)^(-1/2)
+        deepnorm: alpha = (2N)^(1/4),  beta = (8N)^(-1/4)
+        postln, preln: alpha = beta = 1
+
+    Why DeepLoop raises DeepNorm's exponent from 1/4 to 1/2: DeepNorm bounds how far one optimizer step moves the
+    output of an untied network, where each of the N residual branches gets and applies its own update. In a looped
+    network a physical block is visited n_loop times; its single update sums the gradients of all visits and is
+    then read back by every one of those visits. When the visits' gradients align, the output perturbation grows
+    like the square of the visit count instead of linearly, and keeping it bounded needs alpha and 1/beta to grow
+    like N^(1/2). With n_loop = 1 nothing is revisited and the rule is still a valid (more conservative) DeepNorm.
+    """
+    N = unrolled_depth
+    if residual == "deeploop":
+        return (2 * N) ** 0.5, (8 * N) ** -0.5
+    if residual == "deepnorm":
+        return (2 * N) ** 0.25, (8 * N) ** -0.25
+    if residual in ("postln", "preln"):
+        return 1.0, 1.0
+    raise ValueError(f"unknown residual scheme {residual!r}; choose one of {', '.join(RESIDUALS)}")
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64 for faster matmuls
+    n_layer: int = 12        # physical blocks
+    n_loop: int = 1          # rounds over the stack of physical blocks
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True
+    residual: str = "deeploop"
+
+    def __post_init__(self):
+        if self.residual not in RESIDUALS:
+            raise ValueError(f"unknown residual scheme {self.residual!r}; choose one of {', '.join(RESIDUALS)}")
+        if self.n_loop < 1 or self.n_layer < 1:
+            raise ValueError(f"n_layer and n_loop must be >= 1, got n_layer={self.n_layer} n_loop={self.n_loop}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+
+    @property
+    def unrolled_depth(self):
+        return self.n_layer * self.n_loop
+
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matrix
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, cache=None):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in self.c_attn(x).split(C, dim=2))
+        past = 0
+        if cache is not None:  # a list [k, v] of earlier positions for this visit, extended in place
+            if cache:
+                past = cache[0].size(2)
+                k, v = torch.cat((cache[0], k), dim=2), torch.cat((cache[1], v), dim=2)
+            cache[:] = [k, v]
+        if past == 0:
+            mask, causal = None, True
+        else:  # new queries sit after `past` cached keys: query i may see keys 0..past+i
+            mask, causal = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past), False
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+
+    def __init__(self, config, alpha):
+        super().__init__()
+        self.pre_ln = config.residual == "preln"
+        self.alpha = alpha
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cache=None):
+        if self.pre_ln:  # GPT-2
+            x = x + self.attn(self.ln_1(x), cache)
+            return x + self.mlp(self.ln_2(x))
+        # Post-LN (deeploop, deepnorm, postln): the residual stream is up-weighted by alpha before each LayerNorm
+        x = self.ln_1(self.alpha * x + self.attn(x, cache))
+        return self.ln_2(self.alpha * x + self.mlp(x))
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        N = config.unrolled_depth
+        self.alpha, self.beta = residual_coefficients(config.residual, N)
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config, self.alpha) for _ in range(config.n_layer)]),
+            # Post-LN blocks already end in a LayerNorm; only Pre-LN needs a final one
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias) if config.residual == "preln" else nn.Identity(),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+
+        self.apply(self._init_weights)
+        with torch.no_grad():
+            for block in self.transformer.h:
+                if config.residual == "preln":  # GPT-2's scaled init, counted over the unrolled depth
+                    for proj in (block.attn.c_proj, block.mlp.c_proj):
+                        nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * N))
+                else:  # DeepNorm's init: v, the attention output and both MLP matrices times beta; q and k untouched
+                    block.attn.c_attn.weight[2 * config.n_embd:] *= self.beta
+                    for linear in (block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
+                        linear.weight *= self.beta
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding=True):
+        """Stored parameters; independent of n_loop. The position embedding is left out by default (as in nanoGPT);
+        the token embedding stays in because it is also the output layer."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def _visits(self, n_loop):
+        """The unrolled order of physical blocks: 0..L-1, then again, n_loop times."""
+        return [block for _ in range(n_loop or self.config.n_loop) for block in self.transformer.h]
+
+    def _embed(self, idx, start=0):
+        T = idx.size(1)
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence of length {start + T} is longer than block_size {self.config.block_size}")
+        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
+        return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+
+    def _loss(self, logits, targets):
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+    def forward(self, idx, targets=None, n_loop=None, kv_cache=None):
+        """Logits for every position, and the mean cross-entropy when targets are given (-1 = ignore).
+        n_loop runs another loop count than the model was built with (test-time depth); alpha stays as built.
+        kv_cache, used by generate(), is a list with one [k, v] entry per unrolled visit."""
+        x = self._embed(idx, start=kv_cache[0][0].size(2) if kv_cache and kv_cache[0] else 0)
+        for i, block in enumerate(self._visits(n_loop)):
+            x = block(x, kv_cache[i] if kv_cache is not None else None)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        return logits, None if targets is None else self._loss(logits, targets)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=None, use_cache=True):
+        """Sample max_new_tokens continuations of idx (B, T). With use_cache each step feeds only the newest token
+        and reads keys/values of earlier positions from a cache that has one entry per unrolled visit: a block's
+        second visit sees other inputs than its first, so the visits cannot share a cache. Once the context outgrows
+        block_size the window slides and every position embedding shifts, so the cache is rebuilt from the last
+        block_size tokens; this keeps the output identical to recomputing the cropped context at every step."""
+        visits = len(self._visits(n_loop))
+        kv_cache = None
+        for _ in range(max_new_tokens):
+            if use_cache and kv_cache and kv_cache[0] and kv_cache[0][0].size(2) < self.config.block_size:
+                logits, _ = self(idx[:, -1:], n_loop=n_loop, kv_cache=kv_cache)
+            else:
+                kv_cache = [[] for _ in range(visits)] if use_cache else None
+                logits, _ = self(idx[:, -self.config.block_size:], n_loop=n_loop, kv_cache=kv_cache)
+            logits = logits[:, -1, :] / temperature
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat((idx, idx_next), dim=1)
+        return idx
+
+    def loop_diagnostics(self, idx, targets):
+        """What looping does inside the network, on one batch:
+            residual_rms[v]   RMS of the residual stream after unrolled visit v (n_layer * n_loop values);
+            grad_norm[b][r]   norm of the gradient that visit r contributes to physical block b;
+            kappa[b]          the visit-alignment coefficient of block b (below).
+        Each visit runs the block with its own leaf copy of the block's parameters (sharing storage), so autograd
+        hands back the per-visit gradient contributions g_r, whose sum is the block's real gradient."""
+        visits = self._visits(None)
+        x = self._embed(idx)
+        residual_rms, visit_params = [], []
+        for block in visits:
+            params = {name: p.detach().requires_grad_() for name, p in block.named_parameters()}
+            x = functional_call(block, params, (x,))
+            visit_params.append(params)
+            residual_rms.append(x.detach().pow(2).mean().sqrt().item())
+        loss = self._loss(self.lm_head(self.transformer.ln_f(x)), targets)
+        grads = torch.autograd.grad(loss, [p for params in visit_params for p in params.values()])
+        n = len(visit_params[0])
+        flat = [torch.cat([g.flatten() for g in grads[v * n:(v + 1) * n]]) for v in range(len(visits))]
+        L, R = self.config.n_layer, self.config.n_loop
+        grad_norm, kappa = [], []
+        for b in range(L):
+            g = [flat[r * L + b] for r in range(R)]
+            # kappa_R = ||sum_r g_r||^2 / sum_r ||g_r||^2 compares the block's real update with what R independent
+            # blocks would get. It is 1 when the visits' gradients are orthogonal (decorrelated visits: DeepNorm's
+            # exponent 1/4 suffices) and R when they all point the same way (the aligned regime that DeepLoop's
+            # exponent 1/2 is built for); values below 1 mean visits partly cancel. It is exactly 1 when n_loop = 1.
+            sq = [gr.pow(2).sum() for gr in g]
+            grad_norm.append([s.sqrt().item() for s in sq])
+            kappa.append((sum(g).pow(2).sum() / sum(sq).clamp_min(1e-30)).item())
+        return dict(residual_rms=residual_rms, grad_norm=grad_norm, kappa=kappa)
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """AdamW with weight decay on matrices only (not on biases and LayerNorm gains)."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
+                  dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
+        fused = "fused" in inspect.signature(torch.optim.AdamW).parameters and device_type in ("cuda", "cpu")
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **(dict(fused=True) if fused else {}))
+
+    def flops_per_token(self):
+        """Training FLOPs per token (forward + backward), counted over the unrolled depth: each visit of a block
+        costs its matmuls again, so block parameters count n_loop times (PaLM appendix B accounting)."""
+        cfg = self.config
+        block_params = sum(p.numel() for p in self.transformer.h.parameters())
+        other_params = self.num_params() - block_params  # the tied output layer, and ln_f
+        attention = 12 * cfg.unrolled_depth * cfg.n_embd * cfg.block_size
+        return 6 * (block_params * cfg.n_loop + other_params) + attention
+
+    def estimate_mfu(self, tokens_per_iter, dt, peak_flops):
+        """Model FLOPs utilisation: achieved training FLOP/s over peak_flops (e.g. 989e12 for an H100's bf16)."""
+        return self.flops_per_token() * tokens_per_iter / dt / peak_flops
+
+    @classmethod
+    def from_checkpoint(cls, path, device="cpu"):
+        """Load a checkpoint written by train.py -> (model, checkpoint dict). weights_only=True: loading can never
+        run code from the file."""
+        if not os.path.isfile(path):
+            die(f"no checkpoint at {path}; train one with `python train.py config/smoke_cpu.py` or set --out_dir")
+        try:
+            ckpt = torch.load(path, map_location=device, weights_only=True)
+        except Exception as e:
+            die(f"{path} is not a readable checkpoint ({type(e).__name__}); point --out_dir at a train.py run")
+        if not isinstance(ckpt, dict) or ckpt.get("program") != "deeploop-train":
+            die(f"{path} was not written by this project's train.py; point --out_dir at a train.py run")
+        model = cls(GPTConfig(**ckpt["model_args"]))
+        model.load_state_dict(ckpt["model"])
+        return model.to(device), ckpt

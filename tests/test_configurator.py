@@ -1,0 +1,66 @@
+import subprocess
+import sys
+
+import pytest
+
+from configurator import configure
+
+
+def defaults():
+    return dict(batch_size=12, learning_rate=6e-4, compile=True, dataset="openwebtext", top_k=None, n_loop=2)
+
+
+def test_config_file_then_overrides(tmp_path):
+    cfg = tmp_path / "c.py"
+    cfg.write_text("import math\nbatch_size = 4\nlearning_rate = 1e-3\ndataset = 'builtin'\n")
+    ns = defaults()
+    configure(ns, [str(cfg), "--batch_size=8", "--compile=False", "--dataset=builtin_bytes", "--top_k=5",
+                   "--learning_rate=1"])
+    assert ns == dict(batch_size=8, learning_rate=1.0, compile=False, dataset="builtin_bytes", top_k=5, n_loop=2)
+    assert isinstance(ns["learning_rate"], float)
+
+
+def test_string_key_keeps_what_was_typed():
+    ns = defaults()
+    configure(ns, ["--dataset=2024"])
+    assert ns["dataset"] == "2024"
+
+
+def test_literal_eval_never_runs_code():
+    ns = defaults()
+    configure(ns, ["--top_k=__import__('os').getcwd()"])
+    assert ns["top_k"] == "__import__('os').getcwd()"  # kept as a plain string, not executed
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--batch_sise=3"], "unknown config key 'batch_sise' in --batch_sise"),
+    (["--batch_size=3.5"], "config key 'batch_size' in --batch_size must be int (like 12), got float 3.5"),
+    (["--compile=1"], "config key 'compile' in --compile must be bool"),
+    (["--n_loop"], "override --n_loop has no value; write it as --n_loop=value"),
+    (["config/nope.py"], "config file not found: config/nope.py"),
+])
+def test_errors_are_one_line_with_exit_code_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        configure(defaults(), argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: " + message) and err.count("\n") == 1
+
+
+def test_unknown_key_in_config_file(tmp_path, capsys):
+    cfg = tmp_path / "bad.py"
+    cfg.write_text("n_loops = 4\n")
+    with pytest.raises(SystemExit) as e:
+        configure(defaults(), [str(cfg)])
+    assert e.value.code == 2
+    assert f"unknown config key 'n_loops' in {cfg}" in capsys.readouterr().err
+
+
+def test_error_from_a_script_has_no_traceback(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("import sys\nsys.path.insert(0, %r)\nn_loop = 2\n"
+                      "from configurator import configure\nconfigure(globals(), sys.argv[1:])\n" % str(
+                          __import__("pathlib").Path(__file__).resolve().parents[1]))
+    r = subprocess.run([sys.executable, str(script), "--n_loop=two"], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr == "error: config key 'n_loop' in --n_loop must be int (like 2), got str 'two'\n"
