@@ -204,11 +204,18 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=None, use_cache=True):
-        """Sample max_new_tokens continuations of idx (B, T). With use_cache each step feeds only the newest token
-        and reads keys/values of earlier positions from a cache that has one entry per unrolled visit: a block's
-        second visit sees other inputs than its first, so the visits cannot share a cache. Once the context outgrows
-        block_size the window slides and every position embedding shifts, so the cache is rebuilt from the last
-        block_size tokens; this keeps the output identical to recomputing the cropped context at every step."""
+        """Sample max_new_tokens continuations of idx (B, T) -> (B, T + max_new_tokens); see generate_stream."""
+        return torch.cat([idx, *self.generate_stream(idx, max_new_tokens, temperature, top_k, n_loop, use_cache)],
+                         dim=1)
+
+    @torch.no_grad()
+    def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=None, use_cache=True):
+        """Yield the sampled tokens (B, 1) one step at a time, so that sample.py can print them as they come.
+        With use_cache each step feeds only the newest token and reads keys/values of earlier positions from a cache
+        that has one entry per unrolled visit: a block's second visit sees other inputs than its first, so the visits
+        cannot share a cache. Once the context outgrows block_size the window slides and every position embedding
+        shifts, so the cache is rebuilt from the last block_size tokens; this keeps the output identical to
+        recomputing the cropped context at every step."""
         visits = len(self._visits(n_loop))
         kv_cache = None
         for _ in range(max_new_tokens):
@@ -223,7 +230,7 @@ class GPT(nn.Module):
                 logits[logits < v[:, [-1]]] = -float("inf")
             idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat((idx, idx_next), dim=1)
-        return idx
+            yield idx_next
 
     def loop_diagnostics(self, idx, targets):
         """What looping does inside the network, on one batch:
