@@ -258,7 +258,8 @@ class GPT(nn.Module):
             # kappa_R = ||sum_r g_r||^2 / sum_r ||g_r||^2 compares the block's real update with what R independent
             # blocks would get. It is 1 when the visits' gradients are orthogonal (decorrelated visits: DeepNorm's
             # exponent 1/4 suffices) and R when they all point the same way (the aligned regime that DeepLoop's
-            # exponent 1/2 is built for); values below 1 mean visits partly cancel. It is exactly 1 when n_loop = 1.
+            # exponent 1/2 is built for); values below 1 mean visits partly cancel. It is exactly 1 when n_loop = 1,
+            # and close to 1 too when one visit's gradient dwarfs the others (grad_norm shows which case it is).
             sq = [gr.pow(2).sum() for gr in g]
             grad_norm.append([s.sqrt().item() for s in sq])
             kappa.append((sum(g).pow(2).sum() / sum(sq).clamp_min(1e-30)).item())

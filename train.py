@@ -118,11 +118,13 @@ if dataset in ("builtin", "builtin_bytes") and not os.path.isfile(os.path.join(d
 meta = load_meta(data_dir)  # dies with the command that prepares the dataset when it is missing
 vocab_size = -(-meta["vocab_size"] // 64) * 64  # the tokenizer's n_vocab padded to a multiple of 64: faster matmuls
 # The reader is a pure function of (seed, split, index): the data position is the step number, which makes resuming
-# exact and lets DDP ranks split a step's micro-batches between them. Train loss at an evaluation is measured on
-# windows drawn with another seed, fixed across evaluations (so are the val windows).
+# exact and lets DDP ranks split a step's micro-batches between them. Evaluation windows are fixed and the same in
+# every run on a dataset, whatever its seed, so that runs with other seeds or schemes are compared on the same text;
+# the train-split ones are drawn with a seed that training does not use.
+EVAL_SEED = 2**32 - 1
 train_data = TokenWindows(data_dir, "train", block_size, seed)
-train_eval_data = TokenWindows(data_dir, "train", block_size, seed + 1)
-val_data = TokenWindows(data_dir, "val", block_size, seed)
+train_eval_data = TokenWindows(data_dir, "train", block_size, EVAL_SEED)
+val_data = TokenWindows(data_dir, "val", block_size, EVAL_SEED)
 
 
 def to_device(batch):
