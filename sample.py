@@ -1,0 +1,103 @@
+"""
+Sample from a trained model, printing the text as it is generated.
+
+    python sample.py --out_dir=out-smoke --start="Once upon a time" --num_samples=2 --max_new_tokens=200
+    python sample.py --out_dir=out-smoke --start=FILE:prompt.txt
+    python sample.py --out_dir=out-smoke --n_loop=8          # test-time depth: run 8 loops instead of the trained count
+    python sample.py --out_dir=out-smoke --use_cache=False   # recompute the whole context at every step (slower)
+
+The samples go to stdout; what was loaded and how fast it ran go to stderr.
+"""
+
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+
+from configurator import configure, die
+from model import GPT
+from prepare_data import get_tokenizer
+
+out_dir = "out"  # the train.py run to sample from: reads out_dir/ckpt.pt
+start = "\n"  # the prompt, or "FILE:path" to read it from a file; "" starts at a document boundary
+num_samples = 3
+max_new_tokens = 500
+temperature = 0.8  # 1.0 samples the model's distribution; lower is more conservative
+top_k = 200  # sample only among the top_k most likely tokens; 0 keeps them all
+n_loop = 0  # loops over the stack of blocks at test time; 0 runs the count the model was trained with
+use_cache = True  # False recomputes the full context for every new token (for comparison; same output)
+seed = 1337
+device = "cuda" if torch.cuda.is_available() else "cpu"  # or cpu, cuda:1, mps
+dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+compile = False  # torch.compile the model; pays off only for long samples
+configure(globals(), sys.argv[1:])
+
+for name, value in (("num_samples", num_samples), ("max_new_tokens", max_new_tokens), ("top_k", top_k),
+                    ("n_loop", n_loop)):
+    if value < 0:
+        die(f"--{name} must be >= 0, got {value}")
+if temperature <= 0:
+    die(f"--temperature must be > 0, got {temperature} (use --top_k=1 for greedy decoding)")
+if dtype not in ("float32", "bfloat16", "float16"):
+    die(f"unknown --dtype={dtype}; choose float32, bfloat16 or float16")
+
+device_type = device.split(":")[0]  # autocast wants "cuda", not "cuda:1"
+ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+ctx = nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=ptdtype)
+if device_type == "cuda":  # float32 matmuls in TF32 on tensor cores, as in train.py
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+if start.startswith("FILE:"):
+    path = start[len("FILE:"):]
+    try:
+        with open(path, encoding="utf-8") as f:
+            start = f.read()
+    except OSError as e:
+        die(f"cannot read the prompt file {path} ({e.strerror}); pass --start=FILE:path/to/an/existing/file")
+    except UnicodeDecodeError as e:
+        die(f"the prompt file {path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8")
+
+model, checkpoint = GPT.from_checkpoint(f"{out_dir}/ckpt.pt", device)
+model.eval()
+enc = get_tokenizer(checkpoint["tokenizer"])
+# Ids from enc.n_vocab up are padding (e.g. GPT-2's 50257 rounded up to 50304 for faster matmuls). They never occur
+# as targets, yet a briefly trained model still gives them some probability, and the tokenizer cannot decode them:
+# cut them from the output so that they are never sampled.
+model.lm_head.register_forward_hook(lambda module, inputs, logits: logits[..., :enc.n_vocab])
+if compile:
+    model.compile()  # in place, so that generate's calls to self(...) run the compiled forward
+
+start_ids = enc.encode_ordinary(start) or [enc.eot_token]  # an empty prompt starts a new document
+x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, :]
+
+cfg = model.config
+loops = n_loop or cfg.n_loop
+print(f"{out_dir}/ckpt.pt: {cfg.n_layer} blocks x {cfg.n_loop} loops trained, sampling with {loops} loops "
+      f"(unrolled depth {cfg.n_layer * loops}), tokenizer {checkpoint['tokenizer']}, iter {checkpoint['iter_num']}",
+      file=sys.stderr)
+
+torch.manual_seed(seed)  # seeded here, so that the samples depend on the seed alone, not on how the model was built
+new_tokens, t0 = 0, time.time()
+for k in range(num_samples):
+    sys.stdout.write(start)
+    ids, printed = [], ""
+    with ctx:
+        for token in model.generate_stream(x, max_new_tokens, temperature, top_k or None, loops, use_cache):
+            ids.append(token.item())
+            # Decode everything generated so far and print what is new. A token can end in the middle of a UTF-8
+            # character (always possible with the bytes tokenizer, sometimes with GPT-2's byte-level BPE); the
+            # decoder then ends in U+FFFD, which the next token may turn into the real character, so trailing U+FFFD
+            # waits until a later token settles it. Text before it no longer changes: UTF-8 resynchronises.
+            text = enc.decode(ids).rstrip("\ufffd")
+            sys.stdout.write(text[len(printed):])
+            sys.stdout.flush()
+            printed = text
+    sys.stdout.write(enc.decode(ids)[len(printed):] + "\n")  # whatever U+FFFD is still held back is final now
+    if k < num_samples - 1:
+        print("---------------")
+    sys.stdout.flush()
+    new_tokens += len(ids)
+dt = time.time() - t0
+print(f"{new_tokens} tokens in {dt:.2f} s ({new_tokens / dt:.1f} tokens/s, use_cache={use_cache})", file=sys.stderr)

@@ -1,0 +1,123 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig
+from prepare_data import get_tokenizer, prepare
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# English with multi-byte UTF-8 characters, so that byte-level samples split characters across tokens
+CORPUS = ("The cat sat on the mat. The dog sat on the log. A café in Zürich serves crème brûlée — naïve but nice. "
+          "Über den Wolken scheint die Sonne. ")
+
+
+# One thread per process: these models are far too small to gain from a second, and on a machine busy with other
+# work two threads that wait for each other at every op make a run many times slower.
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONIOENCODING="utf-8")
+
+
+def run(script, *args, cwd=ROOT):
+    return subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=cwd, env=ENV,
+                          capture_output=True, encoding="utf-8", timeout=120)
+
+
+@pytest.fixture
+def one_thread():
+    """In this process too, for the samples that must match a subprocess's to the last bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def sample(out_dir, *args):
+    result = run("sample.py", f"--out_dir={out_dir}", "--device=cpu", "--dtype=float32", *args)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def bytes_run(tmp_path_factory):
+    """A checkpoint that train.py wrote after a few seconds on a tiny byte-level corpus (val loss ~0.4)."""
+    tmp = tmp_path_factory.mktemp("bytes_run")
+    with open(tmp / "corpus.jsonl", "w", encoding="utf-8") as f:
+        for _ in range(60):
+            f.write(json.dumps({"text": CORPUS * 3}) + "\n")
+    prepare([str(tmp / "corpus.jsonl")], tokenizer="bytes", out_dir=str(tmp / "data" / "tiny_bytes"), quiet=True)
+    result = run("train.py", "--dataset=tiny_bytes", "--out_dir=out", "--device=cpu", "--dtype=float32",
+                 "--compile=False", "--n_layer=1", "--n_loop=2", "--n_head=2", "--n_embd=64", "--block_size=32",
+                 "--batch_size=8", "--gradient_accumulation_steps=1", "--max_iters=600", "--learning_rate=3e-3",
+                 "--min_lr=1e-4", "--warmup_iters=10", "--lr_decay_iters=600", "--eval_interval=600",
+                 "--eval_iters=2", "--log_interval=100", cwd=tmp)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return tmp / "out"
+
+
+def test_greedy_bytes_sample_is_readable_same_without_cache_other_with_more_loops(bytes_run, tmp_path):
+    (tmp_path / "prompt.txt").write_text("The ", encoding="utf-8")
+    args = (f"--start=FILE:{tmp_path / 'prompt.txt'}", "--num_samples=1", "--max_new_tokens=100", "--top_k=1")
+    text = sample(bytes_run, *args)
+    assert text.startswith("The ")
+    assert "\ufffd" not in text
+    words = text.replace(".", " ").split()
+    known = [w for w in words if w in CORPUS.replace(".", " ").split()]
+    assert len(known) >= len(words) // 2 and len(set(known)) >= 5, text  # mostly the corpus's words, and not just one
+    assert sample(bytes_run, *args, "--use_cache=False") == text  # greedy: the cache changes the speed, not the text
+    assert sample(bytes_run, *args, "--n_loop=5") != text  # 5 loops instead of the trained 2
+
+
+def test_fixed_seed_gives_identical_samples_streamed_as_decoded(bytes_run, one_thread):
+    """Two runs with one seed print the same, and what sample.py printed piece by piece equals decoding each finished
+    sample at once, though the bytes of a multi-byte character arrive in separate steps."""
+    args = dict(seed=7, num_samples=2, max_new_tokens=150, temperature=1.0, top_k=0)
+    argv = ["--start=A caf", *(f"--{k}={v}" for k, v in args.items())]
+    streamed = sample(bytes_run, *argv)
+    assert sample(bytes_run, *argv) == streamed
+    model, checkpoint = GPT.from_checkpoint(str(bytes_run / "ckpt.pt"))
+    enc = get_tokenizer(checkpoint["tokenizer"])
+    model.eval().lm_head.register_forward_hook(lambda module, inputs, logits: logits[..., :enc.n_vocab])
+    prompt = enc.encode_ordinary("A caf")
+    torch.manual_seed(args["seed"])
+    samples = [model.generate(torch.tensor([prompt]), args["max_new_tokens"], args["temperature"])[0].tolist()
+               for _ in range(args["num_samples"])]
+    expected = "---------------\n".join(enc.decode(prompt) + enc.decode(s[len(prompt):]) + "\n" for s in samples)
+    assert any(ord(c) > 127 for c in expected)  # the samples do contain multi-byte characters
+    assert streamed == expected
+
+
+def test_padded_vocabulary_ids_are_never_sampled(tmp_path):
+    """GPT-2 ids 50257..50303 only pad the output layer and cannot be decoded: make them the most likely outputs of a
+    hand-built checkpoint (in train.py's format) and check that sampling still only produces decodable text."""
+    args = dict(block_size=32, vocab_size=50304, n_layer=1, n_loop=2, n_head=2, n_embd=16, dropout=0.0, bias=True,
+                residual="deeploop")
+    model = GPT(GPTConfig(**args))
+    with torch.no_grad():
+        model.lm_head.weight[50257:] = 1.0
+    os.makedirs(tmp_path / "out")
+    torch.save(dict(program="deeploop-train", model=model.state_dict(), model_args=args, tokenizer="gpt2",
+                    optimizer=None, scaler=None, iter_num=0, best_val_loss=None, config={}, rng=None),
+               tmp_path / "out" / "ckpt.pt")
+    text = sample(tmp_path / "out", "--start=Hello", "--num_samples=1", "--max_new_tokens=20")
+    assert text.startswith("Hello") and len(text) > len("Hello\n")
+
+
+@pytest.mark.parametrize("case", ["missing checkpoint", "foreign checkpoint", "missing prompt"])
+def test_bad_input_is_a_one_line_error(case, bytes_run, tmp_path):
+    out_dir, start = bytes_run, "--start=hi"
+    if case == "missing checkpoint":
+        out_dir = tmp_path / "nothing here"
+    elif case == "foreign checkpoint":
+        out_dir = tmp_path
+        torch.save({"a": 1}, tmp_path / "ckpt.pt")
+    else:
+        start = f"--start=FILE:{tmp_path / 'missing.txt'}"
+    result = run("sample.py", f"--out_dir={out_dir}", start, "--device=cpu", "--dtype=float32")
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "missing.txt" in lines[0] if case == "missing prompt" else "ckpt.pt" in lines[0]
