@@ -192,14 +192,15 @@ class GPT(nn.Module):
     def _loss(self, logits, targets):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
-    def forward(self, idx, targets=None, n_loop=None, kv_cache=None):
+    def forward(self, idx, targets=None, n_loop=None, kv_cache=None, last_only=False):
         """Logits for every position, and the mean cross-entropy when targets are given (-1 = ignore).
         n_loop runs another loop count than the model was built with (test-time depth); alpha stays as built.
-        kv_cache, used by generate(), is a list with one [k, v] entry per unrolled visit."""
+        Used by generate(): kv_cache, a list with one [k, v] entry per unrolled visit, and last_only, which spares
+        the output layer all positions but the last."""
         x = self._embed(idx, start=kv_cache[0][0].size(2) if kv_cache and kv_cache[0] else 0)
         for i, block in enumerate(self._visits(n_loop)):
             x = block(x, kv_cache[i] if kv_cache is not None else None)
-        logits = self.lm_head(self.transformer.ln_f(x))
+        logits = self.lm_head(self.transformer.ln_f(x[:, -1:] if last_only else x))
         return logits, None if targets is None else self._loss(logits, targets)
 
     @torch.no_grad()
@@ -220,15 +221,17 @@ class GPT(nn.Module):
         kv_cache = None
         for _ in range(max_new_tokens):
             if use_cache and kv_cache and kv_cache[0] and kv_cache[0][0].size(2) < self.config.block_size:
-                logits, _ = self(idx[:, -1:], n_loop=n_loop, kv_cache=kv_cache)
+                logits, _ = self(idx[:, -1:], n_loop=n_loop, kv_cache=kv_cache, last_only=True)
             else:
                 kv_cache = [[] for _ in range(visits)] if use_cache else None
-                logits, _ = self(idx[:, -self.config.block_size:], n_loop=n_loop, kv_cache=kv_cache)
+                logits, _ = self(idx[:, -self.config.block_size:], n_loop=n_loop, kv_cache=kv_cache,
+                                 last_only=True)
             logits = logits[:, -1, :] / temperature
-            if top_k is not None:
-                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits[logits < v[:, [-1]]] = -float("inf")
-            idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            if top_k is not None:  # sample among the top_k candidates only: far cheaper than masking a large vocab
+                logits, candidates = torch.topk(logits, min(top_k, logits.size(-1)))
+                idx_next = candidates.gather(-1, torch.multinomial(F.softmax(logits, dim=-1), num_samples=1))
+            else:
+                idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat((idx, idx_next), dim=1)
             yield idx_next
 

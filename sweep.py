@@ -39,10 +39,10 @@ n_head = 4
 n_embd = 128
 block_size = 128
 batch_size = 8
-max_iters = 400           # the token budget: max_iters * batch_size * block_size tokens per run
+max_iters = 300           # the token budget: max_iters * batch_size * block_size tokens per run
 learning_rate = 3e-3
-warmup_iters = 40
-eval_iters = 40
+warmup_iters = 30
+eval_iters = 20
 # stability sweep: a deep unroll of the same physical blocks and a raised learning rate, one seed per scheme
 stability_n_loop = 32
 stability_learning_rate = 1e-2
