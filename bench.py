@@ -16,12 +16,11 @@ once with the KV cache and once recomputing the context at every step.
 import statistics
 import sys
 import time
-from contextlib import nullcontext
 
 import torch
 
 from configurator import configure, die
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, autocast_context, default_peak_flops
 
 # model
 n_layer = 2
@@ -45,45 +44,16 @@ dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported
 compile = False  # torch.compile the model (warm-up steps absorb the compilation)
 configure(globals(), sys.argv[1:])
 
-if dtype not in ("float32", "bfloat16", "float16"):
-    die(f"unknown --dtype={dtype}; choose float32, bfloat16 or float16")
 if warmup_steps < 0 or timed_steps < 1 or gen_tokens < 0 or not 1 <= gen_prompt_len <= block_size:
     die("need --warmup_steps >= 0, --timed_steps >= 1, --gen_tokens >= 0 and 1 <= --gen_prompt_len <= block_size")
 device_type = device.split(":")[0]  # autocast wants "cuda", not "cuda:1"
-ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-ctx = nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=ptdtype)
-if device_type == "cuda":  # float32 matmuls in TF32 on tensor cores, as in train.py
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-
+ctx = autocast_context(device, dtype)
 
 def sync():
     getattr(torch, device_type).synchronize()  # torch.cuda / torch.mps / torch.cpu: timings must wait for the device
 
 
-def default_peak_flops():
-    """Peak FLOP/s that MFU is relative to, when --peak_flops is not given; the same convention as train.py, so that
-    the two report comparable MFU: the datasheet's dense bf16/fp16 figure for GPUs we know when running in half
-    precision, else the best of a few timed large matmuls in the run's dtype (on a CPU: what its matmuls reach)."""
-    if device_type == "cuda" and dtype != "float32":
-        name = torch.cuda.get_device_name(device)
-        for gpu, flops in (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12)):
-            if gpu in name:
-                return flops
-    n = 4096 if device_type == "cuda" else 512
-    a = torch.full((n, n), 0.5, device=device, dtype=ptdtype)
-    best = float("inf")
-    for _ in range(3):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(8):
-            a @ a
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return 8 * 2 * n ** 3 / best
-
-
-peak = peak_flops or default_peak_flops()
+peak = peak_flops or default_peak_flops(device, dtype)[0]
 
 
 def build(n_layer, n_loop):

@@ -56,7 +56,7 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from configurator import configure, die
-from model import GPT
+from model import GPT, autocast_context
 from prepare_data import get_tokenizer
 
 out_dir = "out"  # the train.py run to evaluate: reads out_dir/ckpt.pt
@@ -271,9 +271,7 @@ if __name__ == "__main__":
             f"({enc.n_vocab} tokens)")
     examples = encode_records(records, enc, model.config.block_size)
 
-    device_type = device.split(":")[0]  # autocast wants "cuda", not "cuda:1"
-    ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    autocast = nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=ptdtype)
+    autocast = autocast_context(device, dtype)
     cfg = model.config
     loops = n_loop or cfg.n_loop
     print(f"{out_dir}/ckpt.pt: {cfg.n_layer} blocks x {cfg.n_loop} loops trained, evaluating with {loops} loops "

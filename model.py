@@ -12,6 +12,8 @@ method is `residual_coefficients` below; everything else in this file is a GPT-2
 import inspect
 import math
 import os
+import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -145,6 +147,10 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
+            # Post-LN blocks read a normalized stream everywhere but at the first block; normalizing the embedding
+            # (as BERT does) makes that one alike. Without it the tiny embedding (std 0.02) is soon swamped by what
+            # the first branches learn to output for every position, and the model collapses to unigram statistics.
+            ln_e=nn.Identity() if config.residual == "preln" else nn.LayerNorm(config.n_embd, bias=config.bias),
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config, self.alpha) for _ in range(config.n_layer)]),
             # Post-LN blocks already end in a LayerNorm; only Pre-LN needs a final one
@@ -187,7 +193,7 @@ class GPT(nn.Module):
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of length {start + T} is longer than block_size {self.config.block_size}")
         pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
-        return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        return self.transformer.drop(self.transformer.ln_e(self.transformer.wte(idx) + self.transformer.wpe(pos)))
 
     def _loss(self, logits, targets):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
@@ -304,3 +310,52 @@ class GPT(nn.Module):
         model = cls(GPTConfig(**ckpt["model_args"]))
         model.load_state_dict(ckpt["model"])
         return model.to(device), ckpt
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# running on a device: the precision and the MFU yardstick that train.py, sample.py, bench.py and eval_downstream.py
+# share
+
+def autocast_context(device, dtype):
+    """The context a forward pass runs in: float32 as it is, bfloat16 or float16 through autocast. On CUDA, float32
+    matmuls may also use TF32 tensor cores."""
+    if dtype not in ("float32", "bfloat16", "float16"):
+        die(f"unknown dtype {dtype!r}; choose float32, bfloat16 or float16")
+    device_type = device.split(":")[0]  # autocast wants "cuda", not "cuda:1"
+    if device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
+
+
+def default_peak_flops(device, dtype):
+    """(FLOP/s of one device, where the number comes from), the yardstick of MFU when none is given. GPUs we know:
+    the datasheet's dense bf16/fp16 number. CPUs: threads x clock x 2 FMA units x float32 SIMD lanes x 2 FLOPs per
+    FMA, an estimate for server cores, but the same in every run (timing matmuls on shared cores varies 10x).
+    Anything else: the fastest of a few timed large matmuls."""
+    device_type = device.split(":")[0]
+    if device_type == "cuda" and dtype != "float32":
+        name = torch.cuda.get_device_name(device)
+        for key, flops in (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12)):
+            if key in name:
+                return flops, f"{name} datasheet"
+    if device_type == "cpu" and os.path.isfile("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            mhz = max([float(line.split(":")[1]) for line in f if line.startswith("cpu MHz")], default=0)
+        simd = torch.backends.cpu.get_cpu_capability()
+        lanes = {"AVX512": 16, "AVX2": 8}.get(simd, 4)
+        if mhz:
+            return torch.get_num_threads() * mhz * 1e6 * 2 * lanes * 2, \
+                f"{torch.get_num_threads()} threads x {mhz:.0f} MHz x {simd}"
+    n = 8192 if device_type == "cuda" else 1024
+    a = torch.full((n, n), 0.5, device=device, dtype=getattr(torch, dtype))  # no random numbers: the seeds stay put
+    best = math.inf
+    for _ in range(11):  # the first one warms up; the fastest of the rest is the least disturbed by other processes
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ a
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best, "measured matmuls"

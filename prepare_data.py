@@ -541,6 +541,16 @@ def prepare(source="builtin", tokenizer="gpt2", out_dir=None, name=None, val_fra
 # -----------------------------------------------------------------------------------------------------------------
 # reading
 
+def prepare_builtin_if_missing(dataset):
+    """train.py and sweep.py call this: data/builtin and data/builtin_bytes are small and offline, so they are made
+    on first use; any other missing dataset is left to its command (load_meta names it)."""
+    data_dir = os.path.join("data", dataset)
+    if dataset in ("builtin", "builtin_bytes") and not os.path.isfile(os.path.join(data_dir, "meta.json")):
+        print(f"preparing {data_dir} (offline, takes seconds)")
+        prepare("builtin", tokenizer="bytes" if dataset == "builtin_bytes" else "gpt2", out_dir=data_dir)
+    return data_dir
+
+
 def prepare_command(data_dir):
     """The command that (re)creates a dataset folder, for error messages."""
     base = os.path.basename(os.path.normpath(data_dir))

@@ -11,12 +11,11 @@ The samples go to stdout; what was loaded and how fast it ran go to stderr.
 
 import sys
 import time
-from contextlib import nullcontext
 
 import torch
 
 from configurator import configure, die
-from model import GPT
+from model import GPT, autocast_context
 from prepare_data import get_tokenizer
 
 out_dir = "out"  # the train.py run to sample from: reads out_dir/ckpt.pt
@@ -39,15 +38,7 @@ for name, value in (("num_samples", num_samples), ("max_new_tokens", max_new_tok
         die(f"--{name} must be >= 0, got {value}")
 if temperature <= 0:
     die(f"--temperature must be > 0, got {temperature} (use --top_k=1 for greedy decoding)")
-if dtype not in ("float32", "bfloat16", "float16"):
-    die(f"unknown --dtype={dtype}; choose float32, bfloat16 or float16")
-
-device_type = device.split(":")[0]  # autocast wants "cuda", not "cuda:1"
-ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-ctx = nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=ptdtype)
-if device_type == "cuda":  # float32 matmuls in TF32 on tensor cores, as in train.py
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
+ctx = autocast_context(device, dtype)
 
 if start.startswith("FILE:"):
     path = start[len("FILE:"):]

@@ -17,7 +17,6 @@ where the schemes cannot be told apart.
 """
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from configurator import configure, die
+from prepare_data import prepare_builtin_if_missing
 
 # -----------------------------------------------------------------------------------------------------------------
 out_dir = "out-sweep"
@@ -40,7 +40,7 @@ n_embd = 128
 block_size = 128
 batch_size = 8
 max_iters = 300           # the token budget: max_iters * batch_size * block_size tokens per run
-learning_rate = 3e-3
+learning_rate = 1e-3
 warmup_iters = 30
 eval_iters = 20
 # stability sweep: a deep unroll of the same physical blocks and a raised learning rate, one seed per scheme
@@ -110,6 +110,7 @@ def mean_std(values):
 
 
 t_start = time.time()
+prepare_builtin_if_missing(dataset)  # once, here: parallel runs must not all start preparing it
 main_runs = [(f"{s}_loop{r}_seed{seed}", r, seed, learning_rate, max_iters, warmup_iters, batch_size, block_size)
              for s in scheme_list for r in loop_list for seed in seed_list]
 stability_runs = [(f"{s}_loop{stability_n_loop}_stability", stability_n_loop, seed_list[0], stability_learning_rate,

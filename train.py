@@ -27,8 +27,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from configurator import configure, die
-from model import GPT, GPTConfig
-from prepare_data import TokenWindows, load_meta, prepare
+from model import GPT, GPTConfig, autocast_context, default_peak_flops
+from prepare_data import TokenWindows, load_meta, prepare_builtin_if_missing
 
 # ---------------------------------------------------------------------------------------------------------------------
 # config; the defaults are a GPT-2-small-wide looped model on OpenWebText (like config/loop_small.py)
@@ -100,21 +100,12 @@ if gradient_accumulation_steps % world_size:
 accum_steps = gradient_accumulation_steps // world_size  # micro-batches this process runs per step
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 device_type = device.split(":")[0]
-if dtype != "float32" and device_type != "cuda":
-    die(f"dtype={dtype} needs a cuda device (mixed precision runs through cuda autocast); add --dtype=float32")
-autocast = nullcontext() if dtype == "float32" else torch.autocast(device_type="cuda", dtype=getattr(torch, dtype))
-if device_type == "cuda":
-    torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls in TF32 on tensor cores
-    torch.backends.cudnn.allow_tf32 = True
+autocast = autocast_context(device, dtype)
 
-# data: builtin corpora are small and offline, so they are prepared here when missing; anything else is a command
-data_dir = os.path.join("data", dataset)
-if dataset in ("builtin", "builtin_bytes") and not os.path.isfile(os.path.join(data_dir, "meta.json")):
-    if master:
-        print(f"preparing data/{dataset} (offline, takes seconds)")
-        prepare("builtin", tokenizer="bytes" if dataset == "builtin_bytes" else "gpt2", out_dir=data_dir)
-    if ddp:
-        dist.barrier()  # the others wait until the master has written it
+# data: builtin and builtin_bytes are made here when missing (by the master; the others wait for it)
+data_dir = prepare_builtin_if_missing(dataset) if master else os.path.join("data", dataset)
+if ddp:
+    dist.barrier()
 meta = load_meta(data_dir)  # dies with the command that prepares the dataset when it is missing
 vocab_size = -(-meta["vocab_size"] // 64) * 64  # the tokenizer's n_vocab padded to a multiple of 64: faster matmuls
 # The reader is a pure function of (seed, split, index): the data position is the step number, which makes resuming
@@ -266,37 +257,6 @@ def get_lr(it):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
 
 
-def default_peak_flops():
-    """(FLOP/s of one device, where the number comes from) for MFU. GPUs we know: the datasheet's dense bf16/fp16
-    number. CPUs: threads x clock x 2 FMA units x float32 SIMD lanes x 2 FLOPs per FMA, an estimate for server cores
-    but the same in every run. Anything else: the fastest of a few timed large matmuls."""
-    if device_type == "cuda" and dtype != "float32":
-        name = torch.cuda.get_device_name(device)
-        for key, flops in (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12)):
-            if key in name:
-                return flops, f"{name} datasheet"
-    if device_type == "cpu" and os.path.isfile("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            mhz = max([float(line.split(":")[1]) for line in f if line.startswith("cpu MHz")], default=0)
-        simd = torch.backends.cpu.get_cpu_capability()
-        lanes = {"AVX512": 16, "AVX2": 8}.get(simd, 4)
-        if mhz:
-            return torch.get_num_threads() * mhz * 1e6 * 2 * lanes * 2, \
-                f"{torch.get_num_threads()} threads x {mhz:.0f} MHz x {simd}"
-    n = 8192 if device_type == "cuda" else 1024
-    a = torch.full((n, n), 0.5, device=device, dtype=getattr(torch, dtype))  # no random numbers: the seeds stay put
-    best = math.inf
-    for _ in range(11):  # the first one warms up; the fastest of the rest is the least disturbed by other processes
-        if device_type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        a @ a
-        if device_type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best, "measured matmuls"
-
-
 def stop_diverged(what, value):
     """A non-finite loss ends the run before anything is saved, so ckpt.pt keeps the last good state."""
     pbar.close()
@@ -312,7 +272,7 @@ def stop_diverged(what, value):
 if master:
     os.makedirs(out_dir, exist_ok=True)
     metrics_file = open(os.path.join(out_dir, "metrics.jsonl"), "a" if init_from == "resume" else "w")
-    peak_flops, peak_source = (peak_flops, "peak_flops") if peak_flops > 0 else default_peak_flops()
+    peak_flops, peak_source = (peak_flops, "peak_flops") if peak_flops > 0 else default_peak_flops(device, dtype)
     if wandb_log:
         try:
             import wandb
