@@ -80,6 +80,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.n_head = config.n_head
+        self.block_size = config.block_size
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matrix
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
@@ -90,11 +91,13 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
                    for t in self.c_attn(x).split(C, dim=2))
         past = 0
-        if cache is not None:  # a list [k, v] of earlier positions for this visit, extended in place
-            if cache:
-                past = cache[0].size(2)
-                k, v = torch.cat((cache[0], k), dim=2), torch.cat((cache[1], v), dim=2)
-            cache[:] = [k, v]
+        if cache is not None:  # [k buffer, v buffer, positions filled] for this visit, filled in place
+            if not cache:  # room for a whole block_size context, so that no step copies the cache to grow it
+                cache[:] = [k.new_empty(B, self.n_head, self.block_size, C // self.n_head) for _ in "kv"] + [0]
+            k_buf, v_buf, past = cache
+            k_buf[:, :, past:past + T], v_buf[:, :, past:past + T] = k, v
+            cache[2] = past + T
+            k, v = k_buf[:, :, :past + T], v_buf[:, :, :past + T]
         if past == 0:
             mask, causal = None, True
         else:  # new queries sit after `past` cached keys: query i may see keys 0..past+i
@@ -201,9 +204,9 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, n_loop=None, kv_cache=None, last_only=False):
         """Logits for every position, and the mean cross-entropy when targets are given (-1 = ignore).
         n_loop runs another loop count than the model was built with (test-time depth); alpha stays as built.
-        Used by generate(): kv_cache, a list with one [k, v] entry per unrolled visit, and last_only, which spares
+        Used by generate(): kv_cache, a list with one cache entry per unrolled visit, and last_only, which spares
         the output layer all positions but the last."""
-        x = self._embed(idx, start=kv_cache[0][0].size(2) if kv_cache and kv_cache[0] else 0)
+        x = self._embed(idx, start=kv_cache[0][2] if kv_cache and kv_cache[0] else 0)
         for i, block in enumerate(self._visits(n_loop)):
             x = block(x, kv_cache[i] if kv_cache is not None else None)
         logits = self.lm_head(self.transformer.ln_f(x[:, -1:] if last_only else x))
@@ -226,7 +229,7 @@ class GPT(nn.Module):
         visits = len(self._visits(n_loop))
         kv_cache = None
         for _ in range(max_new_tokens):
-            if use_cache and kv_cache and kv_cache[0] and kv_cache[0][0].size(2) < self.config.block_size:
+            if use_cache and kv_cache and kv_cache[0][2] < self.config.block_size:
                 logits, _ = self(idx[:, -1:], n_loop=n_loop, kv_cache=kv_cache, last_only=True)
             else:
                 kv_cache = [[] for _ in range(visits)] if use_cache else None
