@@ -41,7 +41,7 @@ block_size = 128
 batch_size = 8
 max_iters = 300           # the token budget: max_iters * batch_size * block_size tokens per run
 learning_rate = 1e-3
-warmup_iters = 30
+warmup_iters = 100        # Post-LN needs a real warmup: with 30, every Post-LN scheme stalled at unigram level
 eval_iters = 20
 # stability sweep: a deep unroll of the same physical blocks and a raised learning rate, one seed per scheme
 stability_n_loop = 32

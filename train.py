@@ -101,6 +101,10 @@ accum_steps = gradient_accumulation_steps // world_size  # micro-batches this pr
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 device_type = device.split(":")[0]
 autocast = autocast_context(device, dtype)
+if device_type == "cpu":
+    # Deep Post-LN stacks produce tiny (denormal) gradients in their early visits; CPUs compute on denormals many
+    # times slower (measured: 2 blocks x 32 loops, 5.1 s a step without this, 0.44 s with it, same loss)
+    torch.set_flush_denormal(True)
 
 # data: builtin and builtin_bytes are made here when missing (by the master; the others wait for it)
 data_dir = prepare_builtin_if_missing(dataset) if master else os.path.join("data", dataset)
