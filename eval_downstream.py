@@ -7,9 +7,9 @@ Zero-shot downstream evaluation of a trained checkpoint: HellaSwag, LAMBADA, and
     python eval_downstream.py --out_dir=out-smoke --task=hellaswag --n_loop=4      # test-time depth: 4 loops
     python eval_downstream.py --out_dir=out-smoke --task=multiple_choice --data=piqa_val.jsonl --batch_size=16
 
-The last line on stdout is the result, e.g.
-    hellaswag acc=0.2950 acc_norm=0.3110 n=1000 n_loop=2
-    lambada acc=0.1830 ppl=812.40 n=5153 n_loop=2
+The last line on stdout is the result, in this form:
+    hellaswag acc=<summed log-likelihood> acc_norm=<per token> n=<examples> n_loop=<loops run>
+    lambada acc=<whole last word right> ppl=<per word> n=<examples> n_loop=<loops run>
 what was loaded and the progress bar go to stderr.
 
 How a choice is scored. Every task reduces to: which continuation does the model find most likely after a context?

@@ -4,7 +4,7 @@ counts, a few seeds each, at a fixed token budget; then a stability sweep at a l
 learning rate. Every run is a plain `python train.py --key=value ...` in a subprocess, so what is measured here is
 exactly what train.py does.
 
-    python sweep.py                                  # the whole sweep (~30 min on 2 CPU cores), results in out-sweep/
+    python sweep.py                                  # the whole sweep (18 min on 2 CPU cores), results in out-sweep/
     python sweep.py --seeds=0 --loops=1,4 --max_iters=100 --out_dir=out-sweep-quick   # a quick look
 
 Writes out_dir/results.md (tables), out_dir/val_loss_vs_n_loop.png (plot, needs matplotlib) and one folder per run
