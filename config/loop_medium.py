@@ -24,10 +24,4 @@ max_iters = 600000
 lr_decay_iters = 600000
 warmup_iters = 2000
 min_lr = 3e-5
-weight_decay = 0.1
-beta2 = 0.95
-grad_clip = 1.0
-
-eval_interval = 1000
-eval_iters = 200
-log_interval = 10
+# weight decay, AdamW betas, gradient clipping and the eval/log intervals are train.py's defaults
