@@ -57,7 +57,7 @@ from tqdm import tqdm
 
 from configurator import configure, die
 from model import GPT, autocast_context
-from prepare_data import get_tokenizer
+from dataset import get_tokenizer
 
 out_dir = "out"  # the train.py run to evaluate: reads out_dir/ckpt.pt
 task = "hellaswag"  # hellaswag | lambada | multiple_choice
@@ -265,7 +265,10 @@ if __name__ == "__main__":
 
     model, checkpoint = GPT.from_checkpoint(os.path.join(out_dir, "ckpt.pt"), device)
     model.eval()
-    enc = get_tokenizer(checkpoint["tokenizer"])
+    try:
+        enc = get_tokenizer(checkpoint["tokenizer"])
+    except (ValueError, FileNotFoundError) as e:
+        die(str(e))
     if model.config.vocab_size < enc.n_vocab:
         die(f"{out_dir}/ckpt.pt has vocab_size {model.config.vocab_size}, too small for the {enc.name} tokenizer "
             f"({enc.n_vocab} tokens)")

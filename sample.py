@@ -16,7 +16,7 @@ import torch
 
 from configurator import configure, die
 from model import GPT, autocast_context
-from prepare_data import get_tokenizer
+from dataset import get_tokenizer
 
 out_dir = "out"  # the train.py run to sample from: reads out_dir/ckpt.pt
 start = "\n"  # the prompt, or "FILE:path" to read it from a file; "" starts at a document boundary
@@ -52,7 +52,10 @@ if start.startswith("FILE:"):
 
 model, checkpoint = GPT.from_checkpoint(f"{out_dir}/ckpt.pt", device)
 model.eval()
-enc = get_tokenizer(checkpoint["tokenizer"])
+try:
+    enc = get_tokenizer(checkpoint["tokenizer"])
+except (ValueError, FileNotFoundError) as e:
+    die(str(e))
 # Ids from enc.n_vocab up are padding (e.g. GPT-2's 50257 rounded up to 50304 for faster matmuls). They never occur
 # as targets, yet a briefly trained model still gives them some probability, and the tokenizer cannot decode them:
 # cut them from the output so that they are never sampled.

@@ -28,7 +28,8 @@ from tqdm import tqdm
 
 from configurator import configure, die
 from model import GPT, GPTConfig, autocast_context, default_peak_flops
-from prepare_data import TokenWindows, load_meta, prepare_builtin_if_missing
+from dataset import TokenWindows, load_meta
+from prepare_data import prepare_builtin_if_missing
 
 # ---------------------------------------------------------------------------------------------------------------------
 # config; the defaults are a GPT-2-small-wide looped model on OpenWebText (like config/loop_small.py)
@@ -110,16 +111,19 @@ if device_type == "cpu":
 data_dir = prepare_builtin_if_missing(dataset) if master else os.path.join("data", dataset)
 if ddp:
     dist.barrier()
-meta = load_meta(data_dir)  # dies with the command that prepares the dataset when it is missing
-vocab_size = -(-meta["vocab_size"] // 64) * 64  # the tokenizer's n_vocab padded to a multiple of 64: faster matmuls
 # The reader is a pure function of (seed, split, index): the data position is the step number, which makes resuming
 # exact and lets DDP ranks split a step's micro-batches between them. Evaluation windows are fixed and the same in
 # every run on a dataset, whatever its seed, so that runs with other seeds or schemes are compared on the same text;
 # the train-split ones are drawn with a seed that training does not use.
 EVAL_SEED = 2**32 - 1
-train_data = TokenWindows(data_dir, "train", block_size, seed)
-train_eval_data = TokenWindows(data_dir, "train", block_size, EVAL_SEED)
-val_data = TokenWindows(data_dir, "val", block_size, EVAL_SEED)
+try:
+    meta = load_meta(data_dir)  # a missing dataset: the error names the command that prepares it
+    train_data = TokenWindows(data_dir, "train", block_size, seed)
+    train_eval_data = TokenWindows(data_dir, "train", block_size, EVAL_SEED)
+    val_data = TokenWindows(data_dir, "val", block_size, EVAL_SEED)
+except (ValueError, FileNotFoundError) as e:
+    die(str(e))
+vocab_size = -(-meta["vocab_size"] // 64) * 64  # the tokenizer's n_vocab padded to a multiple of 64: faster matmuls
 
 
 def to_device(batch):

