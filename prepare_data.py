@@ -14,20 +14,21 @@ read with `ast` from the source files (nothing is imported, so `antigravity` ope
 without site-packages: the same documents on every machine with the same Python version. `openwebtext`: the Hugging
 Face hub's parquet conversion of Skylion007/openwebtext (branch refs/convert/parquet). `fineweb_edu`:
 HuggingFaceFW/fineweb-edu, its sample-10BT subset, or sample-100BT / sample-350BT with --subset. Hub files are read
-one at a time: download, tokenize, delete, so the disk holds one file (~2 GB) beside the shards. Hub access goes
-through huggingface_hub, so HF_TOKEN, HF_ENDPOINT (a mirror), HF_HUB_CACHE and HF_HUB_OFFLINE work as everywhere; a
-file already in the user's cache is read from there and kept. Local files: .txt (a whole file is one document),
-.jsonl (one document per line, its "text" field), .parquet (its "text" column); paths or globs. Empty documents are
-dropped.
+one at a time: download, tokenize, delete, so the disk holds one of them beside the shards. Hub access goes through
+huggingface_hub, so HF_TOKEN, HF_ENDPOINT (a mirror) and HF_HUB_CACHE work as they do everywhere; a file already
+in the user's cache is read from there and kept. Without a network it stops with one line within seconds. Local
+files: .txt (a whole file is one document), .jsonl (one document per line, its "text" field), .parquet (its "text"
+column); paths or globs. Empty documents are dropped.
 
 Split and shards (the format is in dataset.py). A document goes to val when a hash of (seed, its index in the corpus)
 falls below val_fraction, so the split is fixed by the seed alone. The corpus is cut into chunks at the first document
-boundary where one split has shard_size tokens; a chunk is one shard per split (train_<k>.bin, val_<k>.bin), each
-written to a temporary name and renamed once complete.
+boundary where one split has shard_size tokens; a chunk is one shard per split that has tokens in it (train_<k>.bin,
+val_<k>.bin), each written to a temporary name and renamed once complete.
 
 Resume: after each chunk, progress.json records the shards written and where in the corpus the next chunk starts
 (source file, document); meta.json replaces it at the end. Rerun with the same arguments, an interrupted run keeps
-the finished shards and carries on from there (an unfinished chunk is simply redone).
+the finished shards and carries on from there (an unfinished chunk is simply redone). A hub source resumes from the
+same commit only: when the dataset has changed on the hub since, the rerun says so and asks to start again.
 """
 
 import argparse
@@ -49,16 +50,8 @@ from dataset import FORMAT, HEADER_BYTES, MAGIC, SPLITS, VERSION, get_tokenizer,
 
 BATCH_CHARS = 1 << 22  # text handed to the tokenizer at once: large enough to keep every thread busy
 DEFAULT_VAL_FRACTION = {"openwebtext": 0.0005}  # nanoGPT's; other sources get 0.1 so a small corpus has a real val set
-# hub sources: repository, revision, and the folders that hold the parquet files of the subset (the first that exists)
 FINEWEB_EDU_SUBSETS = ("sample-10BT", "sample-100BT", "sample-350BT")
-HUB_SOURCES = {
-    # the hub's parquet conversion needs no dataset script (datasets>=4 refuses to run one); for a large dataset it
-    # may have converted only a part, in partial-train
-    "openwebtext": ("Skylion007/openwebtext", "refs/convert/parquet", ["plain_text/train/",
-                                                                       "plain_text/partial-train/"]),
-    # sample-10BT lives in sample/10BT/*.parquet
-    "fineweb_edu": ("HuggingFaceFW/fineweb-edu", "main", None),
-}
+HUB_SOURCES = ("openwebtext", "fineweb_edu")
 HUB_TIMEOUT = 10  # seconds for the first request: without a network it fails fast instead of retrying for ~25 s
 
 
@@ -181,9 +174,13 @@ def builtin_parts():
 def one_line(error):
     return " ".join(str(error).split()) or type(error).__name__
 
-def hub_folders(source, subset):
-    repo_id, revision, folders = HUB_SOURCES[source]
-    return repo_id, revision, folders or [f"sample/{subset.removeprefix('sample-')}/"]
+def hub_location(source, subset):
+    """(repository, revision, folders to take the parquet files from: the first that has any) of a hub source."""
+    if source == "openwebtext":
+        # the hub's parquet conversion needs no dataset script (datasets>=4 refuses to run one); of a large dataset
+        # it may have converted only a part, into partial-train
+        return "Skylion007/openwebtext", "refs/convert/parquet", ["plain_text/train/", "plain_text/partial-train/"]
+    return "HuggingFaceFW/fineweb-edu", "main", [f"sample/{subset.removeprefix('sample-')}/"]  # e.g. sample/10BT/
 
 
 def hub_parquet_files(repo_id, revision, folders):
@@ -251,7 +248,6 @@ def write_shard(path, pieces):
         for piece in pieces:
             piece.tofile(f)
     os.replace(path + ".tmp", path)
-    return n_tokens
 
 
 def is_val(doc_index, seed, val_fraction):
@@ -410,7 +406,7 @@ def prepare(source="builtin", tokenizer="gpt2", out_dir=None, name=None, subset=
     if kind == "builtin":
         parts = builtin_parts()
     elif kind in HUB_SOURCES:
-        parts = hub_parts(*hub_folders(kind, subset))  # the network only now that the folder says there is work to do
+        parts = hub_parts(*hub_location(kind, subset))  # the network only now that the folder says there is work to do
     else:
         parts = [file_part(path) for path in files]
     if state is None:
