@@ -134,13 +134,13 @@ def hub(tmp_path, monkeypatch):
         return cache / f"datasets--{repo_id.replace('/', '--')}" / "snapshots" / COMMIT
 
     class Api:
-        endpoint = "local"
+        endpoint, sha = "local", COMMIT
 
         def dataset_info(self, repo_id, revision=None, timeout=None):
-            return types.SimpleNamespace(sha=COMMIT)
+            return types.SimpleNamespace(sha=self.sha)
 
         def list_repo_files(self, repo_id, repo_type=None, revision=None):
-            assert revision == COMMIT  # every file from the one commit that dataset_info named
+            assert revision == self.sha  # every file from the one commit that dataset_info named
             return [str(f.relative_to(remote / repo_id)) for f in (remote / repo_id).rglob("*.parquet")]
 
     real_download = huggingface_hub.hf_hub_download
@@ -212,6 +212,32 @@ def test_openwebtext_from_the_hub_keeps_cached_files(tmp_path, hub, capsys):
     assert load_meta(out)["source"] == "openwebtext" and shard_bytes(out) == shard_bytes(local)
     assert [f.name for f in sorted(snapshot.rglob("*.parquet")) if f.resolve().is_file()] == ["0000.parquet",
                                                                                                "0001.parquet"]
+
+
+def test_hub_resume_reads_the_same_commit(tmp_path, hub, monkeypatch, capsys):
+    docs = documents(30, seed=4)
+    hub("HuggingFaceFW/fineweb-edu", {f"sample/10BT/{k:03d}_00000.parquet": docs[10 * k:10 * k + 10]
+                                      for k in range(3)}, cached=False)
+    kw = dict(val_fraction=0.2, shard_size=60, quiet=True)
+    reference = prepare("fineweb_edu", out_dir=str(tmp_path / "ref"), **kw)
+
+    def write(path, pieces):  # killed in the middle of the corpus
+        if path.endswith("train_000006.bin"):
+            raise KeyboardInterrupt
+        real_write(path, pieces)
+    real_write = prepare_data.write_shard
+    for name in ("run", "moved"):
+        monkeypatch.setattr(prepare_data, "write_shard", write)
+        with pytest.raises(KeyboardInterrupt):
+            prepare("fineweb_edu", out_dir=str(tmp_path / name), **kw)
+    monkeypatch.setattr(prepare_data, "write_shard", real_write)
+    assert len(json.load(open(tmp_path / "run" / "progress.json"))["shards"]["train"]) == 6  # kept on resuming
+    out = prepare("fineweb_edu", out_dir=str(tmp_path / "run"), **kw)
+    assert shard_bytes(out) == shard_bytes(reference) and load_meta(out) == load_meta(reference)
+    import huggingface_hub
+    monkeypatch.setattr(huggingface_hub.HfApi, "sha", "f" * 40)  # the dataset got a new commit meanwhile
+    expect_error(capsys, lambda: prepare("fineweb_edu", out_dir=str(tmp_path / "moved"), **kw),
+                 "the source files changed since the unfinished run", "delete the folder and start again")
 
 
 def test_hub_offline_fails_fast_in_one_line(tmp_path):
