@@ -328,8 +328,9 @@ def tokenize_into(out_dir, parts, enc, state, num_threads=None, quiet=False):
                 write_chunk(position)
             if n_docs >= max_docs or n_tokens >= max_tokens:
                 break
+        part, _ = position
         bar.update(n_tokens - bar.n)
-        bar.set_postfix_str(f"file {position[0] + 1}/{len(parts)}", refresh=False)
+        bar.set_postfix_str(f"file {part + 1}/{len(parts)}", refresh=False)
         if n_docs >= max_docs or n_tokens >= max_tokens:
             break
     bar.close()
