@@ -70,8 +70,9 @@ def test_run_writes_checkpoint_and_metrics(first_half):
     out_dir, result = first_half
     ckpt = load(out_dir)
     assert set(ckpt) == {"program", "model", "model_args", "tokenizer", "optimizer", "scaler", "iter_num",
-                         "best_val_loss", "config", "rng"}
+                         "best_val_loss", "evaluated", "config", "rng"}
     assert ckpt["program"] == "deeploop-train" and ckpt["iter_num"] == HALF and ckpt["scaler"] is None
+    assert ckpt["evaluated"]  # written by the evaluation at step HALF
     assert not [k for k in ckpt["model"] if k.startswith(("_orig_mod.", "module."))]
     # the vocab comes from the dataset: the bytes tokenizer's 257 ids padded up to a multiple of 64
     assert ckpt["tokenizer"] == "bytes" and ckpt["model_args"]["vocab_size"] == 320
@@ -125,7 +126,7 @@ def test_nan_loss_stops_and_keeps_the_last_checkpoint(workdir, first_half):
     match = re.fullmatch(r"error: train loss is (nan|inf|-inf) at step (\d+): training diverged; .*", last_line)
     assert match, last_line
     assert int(match.group(2)) > HALF  # step HALF still runs on the good weights; its huge update breaks the next
-    assert f"(step {HALF})" in last_line
+    assert f"ckpt.pt keeps step {HALF} (the last good state)" in last_line
     with open(workdir / "diverged" / "ckpt.pt", "rb") as f:
         assert f.read() == before
 
