@@ -403,7 +403,8 @@ def read_losses():
     sums = torch.stack([loss_sum for _, loss_sum in pending_losses])
     if ddp:
         dist.all_reduce(sums)
-    losses = {step: loss_sum / gradient_accumulation_steps for (step, _), loss_sum in zip(pending_losses, sums.tolist())}
+    steps = [step for step, _ in pending_losses]
+    losses = {step: loss_sum / gradient_accumulation_steps for step, loss_sum in zip(steps, sums.tolist())}
     pending_losses.clear()
     for step, loss in losses.items():
         if not math.isfinite(loss):
@@ -493,6 +494,8 @@ while True:
     if signum or (checkpoint_due and not eval_due):
         if saved_iter != iter_num:
             save_checkpoint(evaluated=False)
+            if master and not signum:
+                tqdm.write(f"step {iter_num}: wrote {ckpt_path} ({checkpoint_minutes:g} minutes since the last one)")
         if signum:
             pbar.close()
             if master:
