@@ -501,7 +501,7 @@ while True:
             if master:
                 command = [sys.argv[0]] + [a for a in sys.argv[1:] if not a.startswith("--init_from=")]
                 print(f"stopped by {signal.Signals(signum).name}: {ckpt_path} holds step {iter_num}; resume with: "
-                      f"python {shlex.join(command)} --init_from=resume" + (" (under torchrun)" if ddp else ""),
+                      f"python {shlex.join(command)} --init_from=resume" + (" (launched as this run was)" if ddp else ""),
                       flush=True)
             sys.exit(STOPPED)
     # Evaluate (and checkpoint) every eval_interval steps and at the end; a resumed run skips its first step's when

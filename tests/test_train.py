@@ -200,13 +200,22 @@ def test_missing_dataset_names_the_command_that_prepares_it(tmp_path):
     assert lines[0].endswith("python prepare_data.py openwebtext")
 
 
-def start(cwd, *overrides, wrapper=()):
+def start(cwd, *overrides, wrapper=(), env=ENV):
     """train.py started in the background, its output to files (a pipe that nobody reads could fill and stall it)."""
     log = open(os.path.join(cwd, f"train-{time.monotonic_ns()}.log"), "w+")
-    proc = subprocess.Popen([sys.executable, *wrapper, TRAIN, *TINY, *overrides], cwd=cwd, env=ENV, stdout=log,
+    proc = subprocess.Popen([sys.executable, *wrapper, TRAIN, *TINY, *overrides], cwd=cwd, env=env, stdout=log,
                             stderr=subprocess.STDOUT, text=True)
     proc.log = log
     return proc
+
+
+def start_ranks(cwd, *overrides):
+    """Two DDP processes (gloo), started as a launcher that sets RANK but not LOCAL_RANK would start them."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [start(cwd, *overrides, env=dict(ENV, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                            MASTER_PORT=str(port))) for rank in range(2)]
 
 
 def wait_for(condition, proc, what, timeout=120):
@@ -444,21 +453,29 @@ def test_plot_draws_any_number_of_runs(workdir, first_half):
 
 
 def test_a_failure_on_rank_0_only_stops_every_rank(workdir):
-    """Rank 0 cannot lock out_dir (this test holds the lock); rank 1 must not wait for it in a collective. The two
-    processes are started as a launcher that sets RANK but not LOCAL_RANK would start them."""
+    """Rank 0 cannot lock out_dir (this test holds the lock); rank 1 must not wait for it in a collective."""
     os.makedirs(workdir / "rank0-fails", exist_ok=True)
     with open(workdir / "rank0-fails" / "train.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         lock.write("pid 4242 on elsewhere\n")
         lock.flush()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs = [subprocess.Popen([sys.executable, TRAIN, *TINY, "--out_dir=rank0-fails"], cwd=workdir,
-                                  env=dict(ENV, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                           MASTER_PORT=str(port)),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-        outputs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [2, 2]
-    assert outputs[0][1].strip().startswith("error: rank0-fails is in use by another train.py (pid 4242 on elsewhere)")
-    assert outputs[1][1] == ""
+        procs = start_ranks(workdir, "--out_dir=rank0-fails")
+        assert [p.wait(timeout=120) for p in procs] == [2, 2]
+    assert output(procs[0]).strip().startswith("error: rank0-fails is in use by another train.py (pid 4242 on "
+                                               "elsewhere)")
+    assert output(procs[1]) == ""
+
+
+def test_a_signal_to_one_ddp_process_stops_both_at_the_same_step(workdir):
+    out_dir = workdir / "ddp-stopped"
+    procs = start_ranks(workdir, f"--out_dir={out_dir.name}", "--max_iters=100000", "--dropout=0.1")
+    wait_for(lambda: logged_steps(out_dir), procs[0], "its first train record")
+    procs[1].send_signal(signal.SIGTERM)  # the other process learns of it at the start of the next step
+    assert [p.wait(timeout=120) for p in procs] == [75, 75]
+    ckpt = load(out_dir)
+    assert len(ckpt["rng"]) == 2 and not ckpt["evaluated"]
+    assert max(logged_steps(out_dir)) == ckpt["iter_num"] - 1
+    assert re.fullmatch(rf"stopped by SIGTERM: {out_dir.name}/ckpt.pt holds step {ckpt['iter_num']}; resume with: "
+                        rf"python .* --init_from=resume \(launched as this run was\)",
+                        output(procs[0]).strip().splitlines()[-1])
+    assert output(procs[1]) == ""
