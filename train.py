@@ -176,7 +176,6 @@ if device_type == "cpu":
     torch.set_flush_denormal(True)
 
 
-
 def lock_out_dir():
     """Make out_dir and hold out_dir/train.lock for as long as this process lives: a second train.py on the same
     out_dir stops here. The OS releases an flock when its holder dies, even by SIGKILL, so a dead run blocks nothing."""
@@ -500,9 +499,9 @@ while True:
             pbar.close()
             if master:
                 command = [sys.argv[0]] + [a for a in sys.argv[1:] if not a.startswith("--init_from=")]
+                launcher = " (launched as this run was)" if ddp else ""
                 print(f"stopped by {signal.Signals(signum).name}: {ckpt_path} holds step {iter_num}; resume with: "
-                      f"python {shlex.join(command)} --init_from=resume" + (" (launched as this run was)" if ddp else ""),
-                      flush=True)
+                      f"python {shlex.join(command)} --init_from=resume{launcher}", flush=True)
             sys.exit(STOPPED)
     # Evaluate (and checkpoint) every eval_interval steps and at the end; a resumed run skips its first step's when
     # the run that wrote the checkpoint has already done and logged it.
