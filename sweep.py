@@ -24,6 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from configurator import configure, die
+from plot import read_metrics
 from prepare_data import prepare_builtin_if_missing
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -87,8 +88,7 @@ def train(name, n_loop, seed, lr, iters, warmup, batch, block):
     if proc.returncode != 0 and "diverged" not in proc.stderr:
         die(f"run {name} failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}; command: "
             f"{' '.join(cmd)}")
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
+    records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     evals = [r for r in records if r["type"] == "eval"]
     final = evals[-1] if proc.returncode == 0 else None
     result = dict(name=name, scheme=scheme, n_loop=n_loop, seed=seed, seconds=time.time() - t0,

@@ -1,11 +1,14 @@
 """train.py end to end on CPU: it is a script, so every test runs it in a subprocess with --key=value overrides, on a
 tiny model and a small bytes-tokenized dataset that the tests prepare themselves."""
 
+import fcntl
 import json
 import os
 import random
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +17,7 @@ import pytest
 import torch
 
 from model import GPT
+from plot import read_metrics
 from prepare_data import prepare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,9 +41,7 @@ def train(cwd, *overrides, nproc=1, expect_rc=0):
 
 
 def records(out_dir, kind=None):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    return [r for r in rows if kind is None or r["type"] == kind]
+    return [r for r in read_metrics(os.path.join(out_dir, "metrics.jsonl")) if kind is None or r["type"] == kind]
 
 
 def load(out_dir):
@@ -70,8 +72,9 @@ def test_run_writes_checkpoint_and_metrics(first_half):
     out_dir, result = first_half
     ckpt = load(out_dir)
     assert set(ckpt) == {"program", "model", "model_args", "tokenizer", "optimizer", "scaler", "iter_num",
-                         "best_val_loss", "config", "rng"}
+                         "best_val_loss", "evaluated", "config", "rng"}
     assert ckpt["program"] == "deeploop-train" and ckpt["iter_num"] == HALF and ckpt["scaler"] is None
+    assert ckpt["evaluated"]  # written by the evaluation at step HALF
     assert not [k for k in ckpt["model"] if k.startswith(("_orig_mod.", "module."))]
     # the vocab comes from the dataset: the bytes tokenizer's 257 ids padded up to a multiple of 64
     assert ckpt["tokenizer"] == "bytes" and ckpt["model_args"]["vocab_size"] == 320
@@ -94,21 +97,33 @@ def test_run_writes_checkpoint_and_metrics(first_half):
     assert re.search(rf"step {HALF}: train loss [\d.]+, val loss [\d.]+, kappa_R", result.stdout)
 
 
-def test_resume_is_exact(workdir, first_half):
-    half_dir, _ = first_half
+@pytest.fixture(scope="module")
+def whole(workdir):
+    """The run that first_half and the stopped runs below are resumed to match: 2 * HALF steps without a stop."""
     train(workdir, "--out_dir=whole", f"--max_iters={2 * HALF}", "--dropout=0.1")
+    return workdir / "whole"
+
+
+def assert_same_run(a, b):
+    """Runs a (uninterrupted) and b ended with the same weights and optimizer state, and logged the same losses and
+    evaluations, bit for bit (b may hold one evaluation more: where a run that it resumed ended)."""
+    ckpt_a, ckpt_b = load(a), load(b)
+    assert ckpt_a["iter_num"] == ckpt_b["iter_num"]
+    for key, tensor in ckpt_a["model"].items():
+        assert torch.equal(tensor, ckpt_b["model"][key]), key
+    for state_a, state_b in zip(ckpt_a["optimizer"]["state"].values(), ckpt_b["optimizer"]["state"].values()):
+        assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    assert {r["iter"]: r["loss"] for r in records(a, "train")} == {r["iter"]: r["loss"] for r in records(b, "train")}
+    evals_b = {r["iter"]: r["val_loss"] for r in records(b, "eval")}
+    assert {r["iter"]: r["val_loss"] for r in records(a, "eval")} == \
+        {r["iter"]: evals_b.get(r["iter"]) for r in records(a, "eval")}
+
+
+def test_resume_is_exact(workdir, first_half, whole):
+    half_dir, _ = first_half
     shutil.copytree(half_dir, workdir / "resumed")
     train(workdir, "--out_dir=resumed", f"--max_iters={2 * HALF}", "--dropout=0.1", "--init_from=resume")
-    whole, resumed = load(workdir / "whole"), load(workdir / "resumed")
-    assert resumed["iter_num"] == 2 * HALF
-    for key, tensor in whole["model"].items():
-        assert torch.equal(tensor, resumed["model"][key]), key
-    for a, b in zip(whole["optimizer"]["state"].values(), resumed["optimizer"]["state"].values()):
-        assert all(torch.equal(a[k], b[k]) for k in a)
-    losses = {r["iter"]: r["loss"] for r in records(workdir / "whole", "train")}
-    resumed_losses = {r["iter"]: r["loss"] for r in records(workdir / "resumed", "train")}
-    assert resumed_losses == losses  # bit for bit, from step 0 (first run) to 2 * HALF - 1 (resumed run)
-    assert records(workdir / "resumed", "eval")[-1]["val_loss"] == records(workdir / "whole", "eval")[-1]["val_loss"]
+    assert_same_run(whole, workdir / "resumed")  # losses bit for bit from step 0 (first run) to 2 * HALF - 1
     # metrics.jsonl was appended to: the first run's records stay, then a start record marks the resume
     starts = records(workdir / "resumed", "start")
     assert [(s["iter"], s["resumed"]) for s in starts] == [(0, False), (HALF, True)]
@@ -125,7 +140,7 @@ def test_nan_loss_stops_and_keeps_the_last_checkpoint(workdir, first_half):
     match = re.fullmatch(r"error: train loss is (nan|inf|-inf) at step (\d+): training diverged; .*", last_line)
     assert match, last_line
     assert int(match.group(2)) > HALF  # step HALF still runs on the good weights; its huge update breaks the next
-    assert f"(step {HALF})" in last_line
+    assert f"ckpt.pt keeps step {HALF} (the last good state)" in last_line
     with open(workdir / "diverged" / "ckpt.pt", "rb") as f:
         assert f.read() == before
 
@@ -145,6 +160,8 @@ def test_sigkill_leaves_a_loadable_checkpoint(workdir):
         proc.wait()
     step = load(workdir / "killed")["iter_num"]
     assert step >= 2
+    # the dead run's lock file stays, naming it, and blocks nothing: the OS dropped its lock with the process
+    assert (workdir / "killed" / "train.lock").read_text().startswith(f"pid {proc.pid} ")
     train(workdir, "--out_dir=killed", "--init_from=resume", f"--max_iters={step + 1}", "--eval_interval=1")
     assert load(workdir / "killed")["iter_num"] == step + 1
 
@@ -183,3 +200,284 @@ def test_missing_dataset_names_the_command_that_prepares_it(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: dataset data/openwebtext not found"), lines
     assert lines[0].endswith("python prepare_data.py openwebtext")
+
+
+def start(cwd, *overrides, wrapper=(), env=ENV):
+    """train.py started in the background, its output to files (a pipe that nobody reads could fill and stall it)."""
+    log = open(os.path.join(cwd, f"train-{time.monotonic_ns()}.log"), "w+")
+    proc = subprocess.Popen([sys.executable, *wrapper, TRAIN, *TINY, *overrides], cwd=cwd, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, text=True)
+    proc.log = log
+    return proc
+
+
+def start_ranks(cwd, *overrides):
+    """Two DDP processes (gloo), started as a launcher that sets RANK but not LOCAL_RANK would start them."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [start(cwd, *overrides, env=dict(ENV, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                            MASTER_PORT=str(port))) for rank in range(2)]
+
+
+def wait_for(condition, proc, what, timeout=120):
+    deadline = time.time() + timeout
+    while True:
+        ended = proc.poll() is not None
+        if condition():
+            return
+        assert not ended, f"the run ended before {what}: " + output(proc)[-3000:]
+        assert time.time() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.01)
+
+
+def output(proc):
+    proc.log.seek(0)
+    return proc.log.read()
+
+
+def logged_steps(out_dir, kind="train"):
+    """Steps of the records of this kind in out_dir/metrics.jsonl so far (while a run writes it)."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    return [r["iter"] for r in read_metrics(path) if r["type"] == kind] if os.path.exists(path) else []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_the_step_and_resuming_equals_an_uninterrupted_run(workdir, whole, signum):
+    out_dir = workdir / f"stopped-{signum.name}"
+    proc = start(workdir, f"--out_dir={out_dir.name}", f"--max_iters={2 * HALF}", "--dropout=0.1")
+    wait_for(lambda: logged_steps(out_dir), proc, "its first train record")
+    proc.send_signal(signum)
+    assert proc.wait(timeout=120) == 75, output(proc)[-3000:]
+    text = output(proc)
+    assert "Traceback" not in text
+    last_line = text.strip().splitlines()[-1]
+    match = re.fullmatch(rf"stopped by {signum.name}: {out_dir.name}/ckpt.pt holds step (\d+); resume with: python "
+                         rf"\S*train.py .*--out_dir={out_dir.name} .*--dropout=0.1 --init_from=resume", last_line)
+    assert match, last_line
+    step = int(match.group(1))
+    assert 0 < step < 2 * HALF and load(out_dir)["iter_num"] == step
+    assert max(logged_steps(out_dir)) == step - 1  # the step under way when the signal came was finished
+    train(workdir, f"--out_dir={out_dir.name}", f"--max_iters={2 * HALF}", "--dropout=0.1", "--init_from=resume")
+    assert_same_run(whole, out_dir)
+
+
+def test_a_second_signal_while_saving_stops_at_once_and_keeps_the_previous_checkpoint(workdir, first_half):
+    """The checkpoint write is made slow (a wrapper around open); a second SIGTERM during it ends the process at
+    once, with the shell's code for SIGTERM, and ckpt.pt stays the previous one, whole."""
+    half_dir, _ = first_half
+    out_dir = workdir / "second-signal"
+    shutil.copytree(half_dir, out_dir)
+    before = (out_dir / "ckpt.pt").read_bytes()
+    proc = start(workdir, f"--out_dir={out_dir.name}", "--max_iters=1000", "--init_from=resume", "--dropout=0.1",
+                 "--eval_interval=100", wrapper=(disk_wrapper(workdir), "slow", "ckpt.pt.tmp", "60"))
+    wait_for(lambda: logged_steps(out_dir)[-1] > HALF, proc, "a train record after the resume")
+    proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: (out_dir / "ckpt.pt.tmp.slow").exists(), proc, "the checkpoint write")
+    time.sleep(1.2)  # a repeat within a second counts as the same signal
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM and time.time() - t0 < 10
+    assert output(proc).strip().splitlines()[-1] == "stopped by SIGTERM without saving (a second signal)"
+    assert (out_dir / "ckpt.pt").read_bytes() == before and not (out_dir / "ckpt.pt.tmp").exists()
+
+
+def test_a_second_run_on_a_held_out_dir_is_refused(workdir):
+    first = start(workdir, "--out_dir=held", "--max_iters=100000")
+    try:
+        wait_for(lambda: logged_steps(workdir / "held"), first, "its first train record")
+        result = train(workdir, "--out_dir=held", "--max_iters=2", expect_rc=2)
+        assert result.stderr.strip().splitlines() == [
+            f"error: held is in use by another train.py (pid {first.pid} on {socket.gethostname()}); wait for it "
+            f"to end, stop it with kill -TERM, or choose another --out_dir"]
+        assert first.poll() is None  # the first run goes on, and its log was not touched
+        assert records(workdir / "held", "start")[0]["config"]["max_iters"] == 100000
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=120) == 75
+
+
+def disk_wrapper(cwd):
+    """A script that runs train.py with the writes of one file changed: "full": the disk fills after n bytes (the
+    write that crosses them writes what fits, then fails with ENOSPC); "slow": the first write waits n seconds."""
+    path = os.path.join(cwd, "disk_wrapper.py")
+    with open(path, "w") as f:
+        f.write('''import builtins, errno, os, runpy, sys, time
+behaviour, suffix, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+real_open = builtins.open
+
+
+class Disk:
+    def __init__(self, f):
+        self.f, self.room = f, n
+
+    def write(self, data):
+        data = bytes(data)
+        if behaviour == "slow":
+            real_open(self.f.name + ".slow", "w").close()
+            time.sleep(n)
+        elif len(data) > self.room:
+            self.f.write(data[:self.room])
+            self.room = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def patched_open(file, mode="r", *args, **kwargs):
+    f = real_open(file, mode, *args, **kwargs)
+    return Disk(f) if str(file).endswith(suffix) and mode[0] in "wa" else f
+
+
+builtins.open = patched_open
+sys.argv = sys.argv[4:]
+sys.path[0] = os.path.dirname(sys.argv[0])  # where train.py finds its modules, as when it is run itself
+runpy.run_path(sys.argv[0], run_name="__main__")
+''')
+    return path
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint(workdir, first_half):
+    half_dir, _ = first_half
+    out_dir = workdir / "full-ckpt"
+    shutil.copytree(half_dir, out_dir)
+    before = (out_dir / "ckpt.pt").read_bytes()
+    result = subprocess.run([sys.executable, disk_wrapper(workdir), "full", "ckpt.pt.tmp", "5000", TRAIN, *TINY,
+                             f"--out_dir={out_dir.name}", f"--max_iters={2 * HALF}", "--init_from=resume",
+                             "--dropout=0.1"],
+                            cwd=workdir, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: writing {out_dir.name}/ckpt.pt failed at step 8: No space left on device; {out_dir.name}/ckpt.pt "
+        f"keeps step {HALF}; make room (or fix the folder) and resume with --init_from=resume"]
+    assert (out_dir / "ckpt.pt").read_bytes() == before and not (out_dir / "ckpt.pt.tmp").exists()
+    GPT.from_checkpoint(str(out_dir / "ckpt.pt"))
+
+
+def test_a_full_disk_leaves_no_half_record_in_metrics(workdir):
+    out_dir = workdir / "full-metrics"
+    result = subprocess.run([sys.executable, disk_wrapper(workdir), "full", "metrics.jsonl", "4000", TRAIN, *TINY,
+                             f"--out_dir={out_dir.name}", "--max_iters=1000"],
+                            cwd=workdir, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(rf"error: writing {out_dir.name}/metrics.jsonl failed at step \d+: No "
+                                            rf"space left on device; {out_dir.name}/ckpt.pt keeps step \d+; .*",
+                                            lines[0]), lines
+    text = (out_dir / "metrics.jsonl").read_text()
+    assert text.endswith("\n") and all(json.loads(line) for line in text.splitlines())
+    assert len(text) < 4000  # the record that did not fit was cut off again
+
+
+def test_a_record_cut_short_is_removed_on_resume(workdir, first_half):
+    half_dir, _ = first_half
+    out_dir = workdir / "torn"
+    shutil.copytree(half_dir, out_dir)
+    with open(out_dir / "metrics.jsonl", "a") as f:
+        f.write('{"type": "train", "iter": 6, "lo')  # what a run killed in the middle of a write could leave
+    result = train(workdir, f"--out_dir={out_dir.name}", f"--max_iters={HALF + 1}", "--init_from=resume",
+                   "--dropout=0.1")
+    assert f"note: {out_dir.name}/metrics.jsonl ended in a record cut short; removed it" in result.stdout
+    assert [r["iter"] for r in records(out_dir, "train")] == list(range(HALF + 1))
+
+
+def test_ten_sigkills_at_random_moments_then_the_same_final_weights(workdir, whole):
+    """A checkpoint at every step; ten times the run is killed (SIGKILL: no cleanup) at a random moment after it
+    started training, and restarted from whatever ckpt.pt holds. It always loads, and the run ends as one that
+    never stopped."""
+    out_dir, rng = workdir / "chaos", random.Random(0)
+    args = [f"--out_dir={out_dir.name}", f"--max_iters={2 * HALF}", "--dropout=0.1", "--eval_interval=1"]
+    for attempt in range(10):
+        resume = ["--init_from=resume"] if (out_dir / "ckpt.pt").exists() else []
+        starts_before = len(logged_steps(out_dir, "start"))
+        proc = start(workdir, *args, *resume)
+        try:
+            wait_for(lambda: len(logged_steps(out_dir, "start")) > starts_before or proc.poll() is not None, proc,
+                     "its start record")
+            time.sleep(rng.uniform(0, 0.3))
+        finally:
+            proc.kill()
+            proc.wait()
+        if (out_dir / "ckpt.pt").exists():
+            GPT.from_checkpoint(str(out_dir / "ckpt.pt"))
+    assert 0 < load(out_dir)["iter_num"]
+    train(workdir, *args, "--init_from=resume")
+    ckpt, expected = load(out_dir), load(whole)
+    assert ckpt["iter_num"] == 2 * HALF
+    for key, tensor in expected["model"].items():
+        assert torch.equal(tensor, ckpt["model"][key]), key
+
+
+def test_losses_are_read_only_at_log_steps_and_come_out_the_same(workdir, whole):
+    """log_interval=3: the loss stays on the device between log lines; the logged ones equal those of whole (read at
+    every step). The output is not a terminal: one plain line per log step, no progress bar."""
+    result = train(workdir, "--out_dir=every3", f"--max_iters={2 * HALF}", "--dropout=0.1", "--log_interval=3")
+    logged = {r["iter"]: (r["loss"], r["grad_norm"]) for r in records(workdir / "every3", "train")}
+    assert sorted(logged) == [0, 3, 6, 9]
+    assert logged == {r["iter"]: (r["loss"], r["grad_norm"]) for r in records(whole, "train") if r["iter"] in logged}
+    assert re.findall(r"^step (\d+)/12: loss [\d.]+ lr \S+ tok/s [\d,]+ mfu", result.stdout, re.M) == \
+        ["0", "3", "6", "9"]
+    assert "\r" not in result.stdout + result.stderr
+
+
+def test_time_based_checkpoints(workdir):
+    result = train(workdir, "--out_dir=timed", "--max_iters=4", "--eval_interval=100", "--checkpoint_minutes=1e-9")
+    # after every step: the evaluation at step 0 wrote one, step 4 is the end (an evaluation again)
+    assert re.findall(r"^step (\d+): wrote timed/ckpt.pt", result.stdout, re.M) == ["1", "2", "3"]
+    assert load(workdir / "timed")["iter_num"] == 4
+
+
+def test_diagnostics_do_not_run_in_float16(workdir):
+    """Under float16 autocast the per-visit gradients would underflow without loss scaling; the diagnostics run in
+    float32 instead and equal a float32 run's (the same initial weights, the same batch)."""
+    for dtype in ("float32", "float16"):
+        train(workdir, f"--out_dir=diag-{dtype}", f"--dtype={dtype}", "--max_iters=1", "--eval_interval=1")
+    assert records(workdir / "diag-float16", "eval")[0]["loop"] == records(workdir / "diag-float32", "eval")[0]["loop"]
+
+
+def test_plot_draws_any_number_of_runs(workdir, first_half):
+    half_dir, _ = first_half
+    train(workdir, "--out_dir=deepnorm", "--residual=deepnorm", "--n_loop=1", "--max_iters=4")
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), str(half_dir), "deepnorm",
+                             "--png=both.png"], cwd=workdir, env=ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "wrote both.png: deeploop, n_loop=2; deepnorm, n_loop=1"
+    assert (workdir / "both.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_failure_on_rank_0_only_stops_every_rank(workdir):
+    """Rank 0 cannot lock out_dir (this test holds the lock); rank 1 must not wait for it in a collective."""
+    os.makedirs(workdir / "rank0-fails", exist_ok=True)
+    with open(workdir / "rank0-fails" / "train.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.write("pid 4242 on elsewhere\n")
+        lock.flush()
+        procs = start_ranks(workdir, "--out_dir=rank0-fails")
+        assert [p.wait(timeout=120) for p in procs] == [2, 2]
+    assert output(procs[0]).strip().startswith("error: rank0-fails is in use by another train.py (pid 4242 on "
+                                               "elsewhere)")
+    assert output(procs[1]) == ""
+
+
+def test_a_signal_to_one_ddp_process_stops_both_at_the_same_step(workdir):
+    out_dir = workdir / "ddp-stopped"
+    procs = start_ranks(workdir, f"--out_dir={out_dir.name}", "--max_iters=100000", "--dropout=0.1")
+    wait_for(lambda: logged_steps(out_dir), procs[0], "its first train record")
+    procs[1].send_signal(signal.SIGTERM)  # the other process learns of it at the start of the next step
+    assert [p.wait(timeout=120) for p in procs] == [75, 75]
+    ckpt = load(out_dir)
+    assert len(ckpt["rng"]) == 2 and not ckpt["evaluated"]
+    assert max(logged_steps(out_dir)) == ckpt["iter_num"] - 1
+    assert re.fullmatch(rf"stopped by SIGTERM: {out_dir.name}/ckpt.pt holds step {ckpt['iter_num']}; resume with: "
+                        rf"python .* --init_from=resume \(launched as this run was\)",
+                        output(procs[0]).strip().splitlines()[-1])
+    assert output(procs[1]) == ""

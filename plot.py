@@ -1,0 +1,80 @@
+"""
+Training curves of train.py runs, side by side in one PNG: train and val loss against tokens seen, and kappa_R of
+each physical block at every evaluation (1: the visits' gradients are orthogonal; n_loop: they all point one way).
+
+    python plot.py out-smoke
+    python plot.py out-deeploop out-deepnorm out-unlooped --png=compare.png
+
+Each run is a folder holding the metrics.jsonl that train.py writes; its legend entry names its residual scheme and
+loop count (and the folder, where two runs share both). Needs matplotlib.
+"""
+
+import json
+import os
+import sys
+
+from configurator import configure, die
+
+png = "runs.png"  # where the figure goes
+
+
+def read_metrics(path):
+    """The records of a metrics.jsonl. A last line without its newline is a record cut short (the run was killed
+    while writing it; train.py removes it when it resumes): it is left out, with a note."""
+    with open(path) as f:
+        *lines, last = f.read().split("\n")  # last is "" when the file ends with a newline
+    if last:
+        print(f"note: {path} ends in a record cut short; left out", file=sys.stderr)
+    return [json.loads(line) for line in lines if line]
+
+
+def curves(run_dir):
+    """(config, {kind: [records by step]}) of one run. A resumed run may hold steps twice (those after its
+    last checkpoint, run again): the later record of each step wins."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        die(f"no metrics.jsonl in {run_dir}; name folders that train.py wrote (its --out_dir)")
+    records = read_metrics(path)
+    starts = [r for r in records if r["type"] == "start"]
+    if not starts:
+        die(f"{path} holds no start record; is it a train.py run?")
+    config = starts[-1]["config"]
+    by_kind = {}
+    for r in records:
+        by_kind.setdefault(r["type"], {})[r["iter"]] = r
+    return config, {kind: [steps[i] for i in sorted(steps)] for kind, steps in by_kind.items()}
+
+
+if __name__ == "__main__":
+    run_dirs = [a for a in sys.argv[1:] if not a.startswith("--")]
+    configure(globals(), [a for a in sys.argv[1:] if a.startswith("--")])
+    if not run_dirs:
+        die("name the runs to plot: python plot.py out-a out-b ... (folders that train.py wrote)")
+    runs = [(run_dir, *curves(run_dir)) for run_dir in run_dirs]
+    labels = [f"{config['residual']}, n_loop={config['n_loop']}" for _, config, _ in runs]
+    labels = [label + (f" ({run_dir})" if labels.count(label) > 1 else "")
+              for label, (run_dir, _, _) in zip(labels, runs)]
+
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no window
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_kappa) = plt.subplots(1, 2, figsize=(13, 5))
+    for color, label, (_, config, kinds) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"] * len(runs),
+                                                labels, runs):
+        train, evals = kinds.get("train", []), kinds.get("eval", [])
+        ax_loss.plot([r["tokens"] for r in train], [r["loss"] for r in train], color=color, alpha=0.35, lw=1)
+        ax_loss.plot([r["tokens"] for r in evals], [r["val_loss"] for r in evals], "o-", color=color, ms=3,
+                     label=f"{label}: val (train: pale)")
+        for block in range(config["n_layer"]):
+            ax_kappa.plot([r["tokens"] for r in evals], [r["loop"]["kappa"][block] for r in evals], "o-", color=color,
+                          ms=3, alpha=1 - 0.6 * block / config["n_layer"],
+                          label=f"{label}: blocks 0-{config['n_layer'] - 1}" if block == 0 else None)
+    ax_loss.set(xlabel="tokens", ylabel="loss (nats)", title="train and val loss")
+    ax_kappa.set(xlabel="tokens", ylabel="kappa_R", title="kappa_R per block (paler: later blocks)")
+    for ax in (ax_loss, ax_kappa):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    print(f"wrote {png}: {'; '.join(labels)}")
