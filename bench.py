@@ -1,16 +1,18 @@
 """
 Measure a looped GPT on synthetic tokens: training throughput and MFU, and generation speed with and without the
-KV cache. No dataset or checkpoint needed.
+KV cache for 1 and batch_size sequences. No dataset or checkpoint needed.
 
     python bench.py                                        # 2 blocks x 4 loops, n_embd 256, block_size 256, batch 8
+    python bench.py --compare_dtypes=True                  # float32, bfloat16, bfloat16 compiled: rows and ratios
     python bench.py --compare_depths=True --gen_tokens=0   # and 8 blocks x 1 loop, same FLOPs: the ratio
+    python bench.py --tuned_malloc=False                   # glibc's default allocator policy (see common.tune_malloc)
     python bench.py --compile=True --n_layer=6 --n_loop=2 --n_head=12 --n_embd=768 --block_size=1024 --batch_size=12
-                                                           # config/loop_small.py's model (on a GPU: bfloat16)
+                                                           # config/loop_small.py's model
 
 Training: warm-up steps first (they include torch.compile's compilation and the allocator's first requests), then
-the median of the timed steps, each a forward, a backward and an AdamW step; with compare_depths the two models take
-turns step by step. Generation: batch_size sequences of gen_tokens new tokens after a gen_prompt_len-token prompt,
-once with the KV cache and once recomputing the context at every step.
+the median of the timed steps, each a forward, a backward and an AdamW step; the models compared take turns step by
+step. Generation: gen_tokens new tokens after a gen_prompt_len-token prompt, for 1 sequence and for batch_size
+sequences, once with the KV cache and once recomputing the context at every step; compiled models generate compiled.
 """
 
 import statistics
@@ -18,9 +20,11 @@ import sys
 import time
 
 import torch
+import torch._dynamo
 
+from common import autocast_context, choose_dtype, default_peak_flops, synchronize, tune_malloc
 from configurator import configure, die
-from model import GPT, GPTConfig, autocast_context, default_peak_flops
+from model import GPT, GPTConfig
 
 # model
 n_layer = 2
@@ -37,27 +41,42 @@ timed_steps = 5  # training throughput is the median of these
 gen_tokens = 200  # new tokens per sequence in the generation benchmark; 0 skips it
 gen_prompt_len = 16  # keep gen_prompt_len + gen_tokens <= block_size, or the cache is rebuilt once the window slides
 compare_depths = False  # also bench n_layer * n_loop blocks x 1 loop (same unrolled FLOPs) and print the ratio
+compare_dtypes = False  # bench float32, bfloat16 and bfloat16 compiled side by side (instead of dtype and compile)
+tuned_malloc = True  # False keeps glibc's default allocator policy, to measure what common.tune_malloc gains
 peak_flops = 0.0  # for MFU; 0 picks a default for the device (default_peak_flops below)
 seed = 1337
 device = "cuda" if torch.cuda.is_available() else "cpu"  # or cpu, cuda:1, mps
-dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
-compile = False  # torch.compile the model (warm-up steps absorb the compilation)
+dtype = "auto"  # auto: the fastest precision the device computes natively (common.choose_dtype); or float32, ...
+compile = None  # torch.compile the model (warm-up steps absorb the compilation); None: on CUDA only
+compile_backend = "inductor"  # torch.compile's backend; "eager" checks the graph capture without the compiler's time
 configure(globals(), sys.argv[1:])
 
 if warmup_steps < 0 or timed_steps < 1 or gen_tokens < 0 or not 1 <= gen_prompt_len <= block_size:
     die("need --warmup_steps >= 0, --timed_steps >= 1, --gen_tokens >= 0 and 1 <= --gen_prompt_len <= block_size")
-device_type = device.split(":")[0]  # autocast wants "cuda", not "cuda:1"
-ctx = autocast_context(device, dtype)
-
-def sync():
-    getattr(torch, device_type).synchronize()  # torch.cuda / torch.mps / torch.cpu: timings must wait for the device
-
-
+malloc_line = "allocator: glibc malloc keeps freed memory (common.tune_malloc)" if tuned_malloc and tune_malloc() \
+    else "allocator: the C library's defaults"
+device_type = device.split(":")[0]
+if compile is None:
+    compile = device_type == "cuda"
+try:
+    dtype, dtype_reason = choose_dtype(device, dtype)
+except ValueError as e:
+    die(str(e))
+precisions = [("float32", False), ("bfloat16", False), ("bfloat16", True)] if compare_dtypes else [(dtype, compile)]
+depths = [(n_layer, n_loop)] + ([(n_layer * n_loop, 1)] if compare_depths else [])
 peak = peak_flops or default_peak_flops(device, dtype)[0]
+# A compiled model compiles 7 graphs of its forward (measured: training; for 1 and then batch_size sequences the
+# prompt, the decode step and the growing uncached context), and the graphs of all models count against one limit,
+# the forward's. Past the limit torch would silently run uncompiled: raise it to what the models need, and fail if
+# it is ever hit.
+compiled_models = len(depths) * sum(compiled for _, compiled in precisions)
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 10 * compiled_models)
+torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
-def build(n_layer, n_loop):
-    """A model of this depth with its optimizer and gradient scaler, and the line that describes it."""
+def build(n_layer, n_loop, dtype, compile):
+    """A model of this depth with its optimizer, gradient scaler and autocast context, and the line that describes
+    it."""
     torch.manual_seed(seed)
     config = GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_loop=n_loop, n_head=n_head,
                        n_embd=n_embd, dropout=0.0, residual=residual)
@@ -66,16 +85,16 @@ def build(n_layer, n_loop):
             f"block_size {block_size}, {model.num_params() / 1e6:.2f}M params, {residual}, {device} {dtype}"
             f"{', compiled' if compile else ''}")
     if compile:
-        model.compile()  # in place, so that generate's calls to self(...) run the compiled forward too
+        model.compile(backend=compile_backend)  # in place, so that generate's calls to self(...) run compiled too
     optimizer = model.configure_optimizers(weight_decay=0.1, learning_rate=6e-4, betas=(0.9, 0.95),
                                            device_type=device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=(dtype == "float16"))  # float16 needs loss scaling
-    return model, optimizer, scaler, line
+    return model, optimizer, scaler, autocast_context(device, dtype), line
 
 
-def train_step(model, optimizer, scaler, x, y):
+def train_step(model, optimizer, scaler, ctx, x, y):
     """One forward, backward and AdamW step -> its seconds."""
-    sync()
+    synchronize(device)
     t0 = time.perf_counter()
     with ctx:
         _, loss = model(x, y)
@@ -83,38 +102,40 @@ def train_step(model, optimizer, scaler, x, y):
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    sync()
+    synchronize(device)
     return time.perf_counter() - t0
 
 
-def generation_speed(model, prompt, use_cache):
-    """New tokens per second of model.generate, over all batch_size sequences."""
+def generation_speed(model, ctx, prompt, use_cache):
+    """New tokens per second of model.generate, over all the prompt's sequences."""
     with ctx:
         # warm-up; 4 tokens reach the steady state of both paths, including torch.compile's recompiles
         model.generate(prompt, 4, top_k=200, use_cache=use_cache)
-        sync()
+        synchronize(device)
         t0 = time.perf_counter()
         model.generate(prompt, gen_tokens, top_k=200, use_cache=use_cache)
-        sync()
-    return batch_size * gen_tokens / (time.perf_counter() - t0)
+        synchronize(device)
+    return prompt.size(0) * gen_tokens / (time.perf_counter() - t0)
 
 
-depths = [(n_layer, n_loop)] + ([(n_layer * n_loop, 1)] if compare_depths else [])
-runs = [build(*depth) for depth in depths]
+print(malloc_line)
+if not compare_dtypes:
+    print(f"dtype {dtype}: {dtype_reason}")
+runs = [build(*depth, *precision) for depth in depths for precision in precisions]
 # one fixed random batch: the speed of a step does not depend on which tokens it sees
 x = torch.randint(vocab_size, (batch_size, block_size), device=device)
 y = torch.randint(vocab_size, (batch_size, block_size), device=device)
 # The models compared take turns step by step, so that a change in load on a shared machine slows both alike.
 step_times = [[] for _ in runs]
 for step in range(warmup_steps + timed_steps):
-    for (model, optimizer, scaler, _), times in zip(runs, step_times):
-        dt = train_step(model, optimizer, scaler, x, y)
+    for (model, optimizer, scaler, ctx, _), times in zip(runs, step_times):
+        dt = train_step(model, optimizer, scaler, ctx, x, y)
         if step >= warmup_steps:
             times.append(dt)
 
 tokens_per_step = batch_size * block_size
 throughput = []
-for (model, optimizer, _, line), times in zip(runs, step_times):
+for (model, optimizer, _, ctx, line), times in zip(runs, step_times):
     dt = statistics.median(times)
     throughput.append(tokens_per_step / dt)
     mfu = model.estimate_mfu(tokens_per_step, dt, peak)
@@ -124,11 +145,22 @@ for (model, optimizer, _, line), times in zip(runs, step_times):
     if gen_tokens:
         optimizer.state.clear()  # frees the AdamW moments before generation
         model.eval()
-        prompt = torch.randint(vocab_size, (batch_size, gen_prompt_len), device=device)
-        cached, uncached = (generation_speed(model, prompt, use_cache) for use_cache in (True, False))
-        print(f"generate: {gen_tokens} new tokens x {batch_size} sequences: cached {cached:.1f} tokens/s, "
-              f"uncached {uncached:.1f} tokens/s, cache speed-up {cached / uncached:.1f}x")
+        for sequences in sorted({1, batch_size}):
+            prompt = torch.randint(vocab_size, (sequences, gen_prompt_len), device=device)
+            cached, uncached = (generation_speed(model, ctx, prompt, use_cache) for use_cache in (True, False))
+            print(f"generate: {gen_tokens} new tokens x {sequences} sequence{'s' if sequences > 1 else ''}: cached {cached:.1f} tokens/s, "
+                  f"uncached {uncached:.1f} tokens/s, cache speed-up {cached / uncached:.1f}x")
     sys.stdout.flush()
+if compare_dtypes:
+    for depth in range(len(depths)):
+        row = throughput[depth * len(precisions):(depth + 1) * len(precisions)]
+        print(f"compare: n_layer={depths[depth][0]} x n_loop={depths[depth][1]}: bfloat16 trains at "
+              f"{row[1] / row[0]:.2f}x the tokens/s of float32, bfloat16 compiled at {row[2] / row[0]:.2f}x")
 if compare_depths:
-    print(f"compare: n_layer={n_layer} x n_loop={n_loop} trains at {throughput[0] / throughput[1]:.3f}x the tokens/s "
-          f"of n_layer={n_layer * n_loop} x n_loop=1 (same unrolled FLOPs)")
+    looped, untied = throughput[0], throughput[len(precisions)]
+    print(f"compare: n_layer={n_layer} x n_loop={n_loop} trains at {looped / untied:.3f}x the tokens/s "
+          f"of n_layer={n_layer * n_loop} x n_loop=1 (same unrolled FLOPs)"
+          f"{' (float32)' if compare_dtypes else ''}")
+if compile or compare_dtypes:
+    print(f"compile: {torch._dynamo.utils.counters['stats']['unique_graphs']} graphs, within the recompile limit "
+          f"of {torch._dynamo.config.recompile_limit}")

@@ -55,9 +55,10 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
+from common import autocast_context, choose_dtype, tune_malloc
 from configurator import configure, die
-from model import GPT, autocast_context
 from dataset import get_tokenizer
+from model import GPT
 
 out_dir = "out"  # the train.py run to evaluate: reads out_dir/ckpt.pt
 task = "hellaswag"  # hellaswag | lambada | multiple_choice
@@ -68,7 +69,7 @@ limit = 0  # evaluate only the first `limit` examples; 0 evaluates them all
 n_loop = 0  # loops over the stack of blocks at test time; 0 runs the count the model was trained with
 batch_size = 1  # examples per forward pass (all choices of an example always share one); more is faster on a GPU
 device = "cuda" if torch.cuda.is_available() else "cpu"  # or cpu, cuda:1, mps
-dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+dtype = "auto"  # auto: what the device computes fastest (common.choose_dtype); or float32, bfloat16, float16
 
 TASKS = ("hellaswag", "lambada", "multiple_choice")
 URLS = {
@@ -246,6 +247,7 @@ def lambada_accuracy(model, examples, **kwargs):
 # The script proper. It sits under this `if` (unlike sample.py) so that the tests can import the functions above.
 if __name__ == "__main__":
     configure(globals(), sys.argv[1:])
+    tune_malloc()  # before the first large allocation (common.tune_malloc)
     if task not in TASKS:
         die(f"unknown --task={task}; choose one of {', '.join(TASKS)}")
     for name, value in (("limit", limit), ("n_loop", n_loop)):
@@ -253,8 +255,9 @@ if __name__ == "__main__":
             die(f"--{name} must be >= 0, got {value}")
     if batch_size < 1:
         die(f"--batch_size must be >= 1, got {batch_size}")
-    if dtype not in ("float32", "bfloat16", "float16"):
-        die(f"unknown --dtype={dtype}; choose float32, bfloat16 or float16")
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        die(f"unknown --dtype={dtype}; choose auto, float32, bfloat16 or float16")
+    dtype = choose_dtype(device, dtype)[0]
     if not data and task not in URLS:
         die(f"--task={task} needs --data=file.jsonl (one {{\"context\": str, \"choices\": [str, ...], "
             f"\"label\": int}} per line)")
@@ -263,7 +266,10 @@ if __name__ == "__main__":
     path = data or download(URLS[task], os.path.join(cache_dir, os.path.basename(URLS[task])), download_timeout)
     records = read_records(task, path, limit)
 
-    model, checkpoint = GPT.from_checkpoint(os.path.join(out_dir, "ckpt.pt"), device)
+    try:
+        model, checkpoint = GPT.from_checkpoint(os.path.join(out_dir, "ckpt.pt"), device)
+    except (FileNotFoundError, ValueError) as e:
+        die(str(e))
     model.eval()
     try:
         enc = get_tokenizer(checkpoint["tokenizer"])

@@ -12,16 +12,12 @@ method is `residual_coefficients` below; everything else in this file is a GPT-2
 import inspect
 import math
 import os
-import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 from torch.func import functional_call
-
-from configurator import die
 
 RESIDUALS = ("deeploop", "deepnorm", "postln", "preln")
 
@@ -75,6 +71,27 @@ class GPTConfig:
         return self.n_layer * self.n_loop
 
 
+class KVCache:
+    """The keys and values that one unrolled visit of a block has computed so far, kept for generation. The buffers
+    have room for a whole block_size context and are filled in place, so that no step copies the cache to grow it,
+    and a compiled decode step sees the same buffers at every token."""
+
+    def __init__(self):
+        self.k = self.v = None  # (B, n_head, block_size, head_size) each, allocated at the first visit
+        self.past = 0           # positions filled
+
+    def update(self, k, v, block_size):
+        """Write the new positions' k and v (B, n_head, T, head_size) after the past ones -> the keys and values of
+        all positions so far."""
+        if self.k is None:
+            self.k = k.new_empty(*k.shape[:2], block_size, k.size(3))
+            self.v = v.new_empty(*v.shape[:2], block_size, v.size(3))
+        end = self.past + k.size(2)
+        self.k[:, :, self.past:end], self.v[:, :, self.past:end] = k, v
+        self.past = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
@@ -90,16 +107,14 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
                    for t in self.c_attn(x).split(C, dim=2))
-        past = 0
-        if cache is not None:  # [k buffer, v buffer, positions filled] for this visit, filled in place
-            if not cache:  # room for a whole block_size context, so that no step copies the cache to grow it
-                cache[:] = [k.new_empty(B, self.n_head, self.block_size, C // self.n_head) for _ in "kv"] + [0]
-            k_buf, v_buf, past = cache
-            k_buf[:, :, past:past + T], v_buf[:, :, past:past + T] = k, v
-            cache[2] = past + T
-            k, v = k_buf[:, :, :past + T], v_buf[:, :, :past + T]
+        past = 0  # positions before these T, whose keys and values come from the cache
+        if cache is not None:
+            past = cache.past
+            k, v = cache.update(k, v, self.block_size)
         if past == 0:
             mask, causal = None, True
+        elif T == 1:  # one new query after the cache sees every key: no mask, so the fastest kernels stay eligible
+            mask, causal = None, False
         else:  # new queries sit after `past` cached keys: query i may see keys 0..past+i
             mask, causal = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past), False
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
@@ -204,38 +219,41 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, n_loop=None, kv_cache=None, last_only=False):
         """Logits for every position, and the mean cross-entropy when targets are given (-1 = ignore).
         n_loop runs another loop count than the model was built with (test-time depth); alpha stays as built.
-        Used by generate(): kv_cache, a list with one cache entry per unrolled visit, and last_only, which spares
-        the output layer all positions but the last."""
-        x = self._embed(idx, start=kv_cache[0][2] if kv_cache and kv_cache[0] else 0)
+        Used by generate(): kv_cache, a list with one KVCache per unrolled visit, and last_only, which spares the
+        output layer all positions but the last."""
+        x = self._embed(idx, start=kv_cache[0].past if kv_cache else 0)
         for i, block in enumerate(self._visits(n_loop)):
             x = block(x, kv_cache[i] if kv_cache is not None else None)
         logits = self.lm_head(self.transformer.ln_f(x[:, -1:] if last_only else x))
         return logits, None if targets is None else self._loss(logits, targets)
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=None, use_cache=True):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=None, use_cache=True,
+                 vocab_size_limit=None):
         """Sample max_new_tokens continuations of idx (B, T) -> (B, T + max_new_tokens); see generate_stream."""
-        return torch.cat([idx, *self.generate_stream(idx, max_new_tokens, temperature, top_k, n_loop, use_cache)],
-                         dim=1)
+        return torch.cat([idx, *self.generate_stream(idx, max_new_tokens, temperature, top_k, n_loop, use_cache,
+                                                     vocab_size_limit)], dim=1)
 
     @torch.no_grad()
-    def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=None, use_cache=True):
+    def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=None, use_cache=True,
+                        vocab_size_limit=None):
         """Yield the sampled tokens (B, 1) one step at a time, so that sample.py can print them as they come.
         With use_cache each step feeds only the newest token and reads keys/values of earlier positions from a cache
         that has one entry per unrolled visit: a block's second visit sees other inputs than its first, so the visits
         cannot share a cache. Once the context outgrows block_size the window slides and every position embedding
         shifts, so the cache is rebuilt from the last block_size tokens; this keeps the output identical to
-        recomputing the cropped context at every step."""
+        recomputing the cropped context at every step. vocab_size_limit samples only ids below it: the output layer
+        is padded (GPT-2's 50257 ids to 50304) and a tokenizer cannot decode the padding ids."""
         visits = len(self._visits(n_loop))
         kv_cache = None
         for _ in range(max_new_tokens):
-            if use_cache and kv_cache and kv_cache[0][2] < self.config.block_size:
+            if use_cache and kv_cache and kv_cache[0].past < self.config.block_size:
                 logits, _ = self(idx[:, -1:], n_loop=n_loop, kv_cache=kv_cache, last_only=True)
             else:
-                kv_cache = [[] for _ in range(visits)] if use_cache else None
+                kv_cache = [KVCache() for _ in range(visits)] if use_cache else None
                 logits, _ = self(idx[:, -self.config.block_size:], n_loop=n_loop, kv_cache=kv_cache,
                                  last_only=True)
-            logits = logits[:, -1, :] / temperature
+            logits = logits[:, -1, :vocab_size_limit] / temperature
             if top_k is not None:  # sample among the top_k candidates only: far cheaper than masking a large vocab
                 logits, candidates = torch.topk(logits, min(top_k, logits.size(-1)))
                 idx_next = candidates.gather(-1, torch.multinomial(F.softmax(logits, dim=-1), num_samples=1))
@@ -300,65 +318,20 @@ class GPT(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, path, device="cpu"):
-        """Load a checkpoint written by train.py -> (model, checkpoint dict). weights_only=True: loading can never
-        run code from the file."""
+        """Load a checkpoint written by train.py -> (model on device, checkpoint dict). The file is read onto the CPU,
+        so that the optimizer state in it does not take device memory before the optimizer asks for it; drop the dict
+        once done with it. weights_only=True: loading can never run code from the file. Raises FileNotFoundError or
+        ValueError with a message that says what to do."""
         if not os.path.isfile(path):
-            die(f"no checkpoint at {path}; train one with `python train.py config/smoke_cpu.py` or set --out_dir")
+            raise FileNotFoundError(f"no checkpoint at {path}; train one with `python train.py config/smoke_cpu.py` "
+                                    f"or set --out_dir")
         try:
-            ckpt = torch.load(path, map_location=device, weights_only=True)
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:
-            die(f"{path} is not a readable checkpoint ({type(e).__name__}); point --out_dir at a train.py run")
+            raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}); point --out_dir at a "
+                             f"train.py run") from e
         if not isinstance(ckpt, dict) or ckpt.get("program") != "deeploop-train":
-            die(f"{path} was not written by this project's train.py; point --out_dir at a train.py run")
+            raise ValueError(f"{path} was not written by this project's train.py; point --out_dir at a train.py run")
         model = cls(GPTConfig(**ckpt["model_args"]))
         model.load_state_dict(ckpt["model"])
         return model.to(device), ckpt
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# running on a device: the precision and the MFU yardstick that train.py, sample.py, bench.py and eval_downstream.py
-# share
-
-def autocast_context(device, dtype):
-    """The context a forward pass runs in: float32 as it is, bfloat16 or float16 through autocast. On CUDA, float32
-    matmuls may also use TF32 tensor cores."""
-    if dtype not in ("float32", "bfloat16", "float16"):
-        die(f"unknown dtype {dtype!r}; choose float32, bfloat16 or float16")
-    device_type = device.split(":")[0]  # autocast wants "cuda", not "cuda:1"
-    if device_type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    return nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
-
-
-def default_peak_flops(device, dtype):
-    """(FLOP/s of one device, where the number comes from), the yardstick of MFU when none is given. GPUs we know:
-    the datasheet's dense bf16/fp16 number. CPUs: threads x clock x 2 FMA units x float32 SIMD lanes x 2 FLOPs per
-    FMA, an estimate for server cores, but the same in every run (timing matmuls on shared cores varies 10x).
-    Anything else: the fastest of a few timed large matmuls."""
-    device_type = device.split(":")[0]
-    if device_type == "cuda" and dtype != "float32":
-        name = torch.cuda.get_device_name(device)
-        for key, flops in (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12)):
-            if key in name:
-                return flops, f"{name} datasheet"
-    if device_type == "cpu" and os.path.isfile("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            mhz = max([float(line.split(":")[1]) for line in f if line.startswith("cpu MHz")], default=0)
-        simd = torch.backends.cpu.get_cpu_capability()
-        lanes = {"AVX512": 16, "AVX2": 8}.get(simd, 4)
-        if mhz:
-            return torch.get_num_threads() * mhz * 1e6 * 2 * lanes * 2, \
-                f"{torch.get_num_threads()} threads x {mhz:.0f} MHz x {simd}"
-    n = 8192 if device_type == "cuda" else 1024
-    a = torch.full((n, n), 0.5, device=device, dtype=getattr(torch, dtype))  # no random numbers: the seeds stay put
-    best = math.inf
-    for _ in range(11):  # the first one warms up; the fastest of the rest is the least disturbed by other processes
-        if device_type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        a @ a
-        if device_type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best, "measured matmuls"

@@ -5,6 +5,7 @@ Sample from a trained model, printing the text as it is generated.
     python sample.py --out_dir=out-smoke --start=FILE:prompt.txt
     python sample.py --out_dir=out-smoke --n_loop=8          # test-time depth: run 8 loops instead of the trained count
     python sample.py --out_dir=out-smoke --use_cache=False   # recompute the whole context at every step (slower)
+    python sample.py --out_dir=out-smoke --compile=True      # compiled decode step: a few graphs, not one per token
 
 The samples go to stdout; what was loaded and how fast it ran go to stderr.
 """
@@ -13,10 +14,12 @@ import sys
 import time
 
 import torch
+import torch._dynamo
 
+from common import allow_tf32, autocast_context, choose_dtype, tune_malloc
 from configurator import configure, die
-from model import GPT, autocast_context
 from dataset import get_tokenizer
+from model import GPT
 
 out_dir = "out"  # the train.py run to sample from: reads out_dir/ckpt.pt
 start = "\n"  # the prompt, or "FILE:path" to read it from a file; "" starts at a document boundary
@@ -28,9 +31,10 @@ n_loop = 0  # loops over the stack of blocks at test time; 0 runs the count the 
 use_cache = True  # False recomputes the full context for every new token (for comparison; same output)
 seed = 1337
 device = "cuda" if torch.cuda.is_available() else "cpu"  # or cpu, cuda:1, mps
-dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+dtype = "auto"  # auto: what the device computes fastest (common.choose_dtype); or float32, bfloat16, float16
 compile = False  # torch.compile the model; pays off only for long samples
 configure(globals(), sys.argv[1:])
+tune_malloc()  # before the first large allocation (common.tune_malloc)
 
 for name, value in (("num_samples", num_samples), ("max_new_tokens", max_new_tokens), ("top_k", top_k),
                     ("n_loop", n_loop)):
@@ -38,6 +42,11 @@ for name, value in (("num_samples", num_samples), ("max_new_tokens", max_new_tok
         die(f"--{name} must be >= 0, got {value}")
 if temperature <= 0:
     die(f"--temperature must be > 0, got {temperature} (use --top_k=1 for greedy decoding)")
+try:
+    dtype, dtype_reason = choose_dtype(device, dtype)
+except ValueError as e:
+    die(str(e))
+allow_tf32(device)
 ctx = autocast_context(device, dtype)
 
 if start.startswith("FILE:"):
@@ -50,18 +59,20 @@ if start.startswith("FILE:"):
     except UnicodeDecodeError as e:
         die(f"the prompt file {path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8")
 
-model, checkpoint = GPT.from_checkpoint(f"{out_dir}/ckpt.pt", device)
+try:
+    model, checkpoint = GPT.from_checkpoint(f"{out_dir}/ckpt.pt", device)
+except (FileNotFoundError, ValueError) as e:
+    die(str(e))
 model.eval()
 try:
     enc = get_tokenizer(checkpoint["tokenizer"])
 except (ValueError, FileNotFoundError) as e:
     die(str(e))
-# Ids from enc.n_vocab up are padding (e.g. GPT-2's 50257 rounded up to 50304 for faster matmuls). They never occur
-# as targets, yet a briefly trained model still gives them some probability, and the tokenizer cannot decode them:
-# cut them from the output so that they are never sampled.
-model.lm_head.register_forward_hook(lambda module, inputs, logits: logits[..., :enc.n_vocab])
 if compile:
     model.compile()  # in place, so that generate's calls to self(...) run the compiled forward
+    # the prompt and the decode step are a few graphs per sample length; past the limit torch would silently run
+    # uncompiled, so hitting it is an error
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 start_ids = enc.encode_ordinary(start) or [enc.eot_token]  # an empty prompt starts a new document
 x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, :]
@@ -69,8 +80,9 @@ x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, :]
 cfg = model.config
 loops = n_loop or cfg.n_loop
 print(f"{out_dir}/ckpt.pt: {cfg.n_layer} blocks x {cfg.n_loop} loops trained, sampling with {loops} loops "
-      f"(unrolled depth {cfg.n_layer * loops}), tokenizer {checkpoint['tokenizer']}, iter {checkpoint['iter_num']}",
-      file=sys.stderr)
+      f"(unrolled depth {cfg.n_layer * loops}), tokenizer {checkpoint['tokenizer']}, iter {checkpoint['iter_num']}, "
+      f"dtype {dtype} ({dtype_reason})", file=sys.stderr)
+del checkpoint  # the optimizer state in it is not needed for sampling
 
 torch.manual_seed(seed)  # seeded here, so that the samples depend on the seed alone, not on how the model was built
 new_tokens, t0 = 0, time.time()
@@ -78,7 +90,11 @@ for k in range(num_samples):
     sys.stdout.write(start)
     ids, printed = [], ""
     with ctx:
-        for token in model.generate_stream(x, max_new_tokens, temperature, top_k or None, loops, use_cache):
+        # Ids from enc.n_vocab up are padding (e.g. GPT-2's 50257 rounded up to 50304 for faster matmuls). They never
+        # occur as targets, yet a briefly trained model still gives them some probability, and the tokenizer cannot
+        # decode them: vocab_size_limit keeps them from being sampled.
+        for token in model.generate_stream(x, max_new_tokens, temperature, top_k or None, loops, use_cache,
+                                           vocab_size_limit=enc.n_vocab):
             ids.append(token.item())
             # Decode everything generated so far and print what is new. A token can end in the middle of a UTF-8
             # character (always possible with the bytes tokenizer, sometimes with GPT-2's byte-level BPE); the

@@ -36,9 +36,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
+from common import allow_tf32, autocast_context, choose_dtype, default_peak_flops, tune_malloc
 from configurator import configure, die
-from model import GPT, GPTConfig, autocast_context, default_peak_flops
 from dataset import TokenWindows, load_meta
+from model import GPT, GPTConfig
 from prepare_data import prepare_builtin_if_missing
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -82,18 +83,18 @@ lr_decay_iters = 600000  # the schedule depends on max_iters only through this, 
 min_lr = 6e-5
 # system
 device = "cuda" if torch.cuda.is_available() else "cpu"
-dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else (
-    "float16" if torch.cuda.is_available() else "float32")  # half precision only on cuda, through autocast
-compile = torch.cuda.is_available()  # torch.compile: faster steps on GPUs, but minutes of compiling on a CPU
+dtype = "auto"           # auto: what the device computes fastest (common.choose_dtype); or float32, bfloat16, float16
+compile = None           # torch.compile; None: on CUDA (faster steps), not elsewhere (minutes of compiling on a CPU)
 seed = 1337
 peak_flops = 0.0         # FLOP/s of one device for MFU; 0: a default for the device (see default_peak_flops)
 config = configure(globals(), sys.argv[1:])
 # ---------------------------------------------------------------------------------------------------------------------
+tune_malloc()  # before the first large allocation: freed activations stay in the process (common.tune_malloc)
 
 if init_from not in ("scratch", "resume"):
     die(f"init_from must be 'scratch' or 'resume', got {init_from!r}")
-if dtype not in ("float32", "bfloat16", "float16"):
-    die(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+if dtype not in ("auto", "float32", "bfloat16", "float16"):
+    die(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
 if min(eval_interval, eval_iters, log_interval, gradient_accumulation_steps, batch_size) < 1:
     die("eval_interval, eval_iters, log_interval, gradient_accumulation_steps and batch_size must all be >= 1")
 
@@ -170,6 +171,10 @@ if gradient_accumulation_steps % world_size:
 accum_steps = gradient_accumulation_steps // world_size  # micro-batches this process runs per step
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 device_type = device.split(":")[0]
+dtype, dtype_reason = choose_dtype(device, dtype)  # for the device this process runs on
+if compile is None:
+    compile = device_type == "cuda"
+allow_tf32(device)
 autocast = autocast_context(device, dtype)
 if device_type == "cpu":
     # Deep Post-LN stacks produce tiny (denormal) gradients in their early visits; CPUs compute on denormals many
@@ -238,7 +243,10 @@ if init_from == "scratch":
     raw_model = GPT(gpt_config).to(device)
     iter_num, best_val_loss = 0, math.inf
 else:
-    raw_model, checkpoint = GPT.from_checkpoint(ckpt_path, device)
+    try:
+        raw_model, checkpoint = GPT.from_checkpoint(ckpt_path, device)
+    except (FileNotFoundError, ValueError) as e:
+        die(str(e))
     if checkpoint["tokenizer"] != meta["tokenizer"]:
         die(f"{ckpt_path} was trained on {checkpoint['tokenizer']} tokens but data/{dataset} holds "
             f"{meta['tokenizer']} tokens; resume with the dataset it was trained on")
@@ -467,6 +475,7 @@ if master:
     print(f"{n_params / 1e6:.2f}M parameters, {n_layer} blocks x {n_loop} loops ({residual}), vocab {vocab_size} "
           f"({meta['tokenizer']}), {tokens_per_iter:,} tokens per step on {world_size} x {device} in {dtype}, "
           f"MFU against {peak_flops:.3g} FLOP/s per device ({peak_source})")
+    print(f"dtype {dtype}: {dtype_reason}")
     log(dict(type="start", iter=iter_num, resumed=init_from == "resume", params=n_params, world_size=world_size,
              config={k: globals()[k] for k in config}))
 

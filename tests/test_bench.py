@@ -8,35 +8,72 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS="1")  # one thread: see tests/test_sample.py
 NUM = r"([0-9.]+)"
+TINY = ["--n_layer=1", "--n_loop=3", "--n_head=2", "--n_embd=32", "--block_size=32", "--vocab_size=128",
+        "--batch_size=2", "--warmup_steps=1", "--timed_steps=3", "--gen_tokens=8", "--gen_prompt_len=4", "--device=cpu"]
+MODEL = r"model: n_layer=(\d+) x n_loop=(\d+) \(unrolled depth 3\), n_embd 32, .*, cpu (\w+)(, compiled)?"
+TRAIN = rf"train: {NUM} tokens/s, {NUM} ms/step \(median of 3\), MFU {NUM}% of {NUM} GFLOP/s"
+GENERATE = rf"generate: 8 new tokens x (\d) sequences?: cached {NUM} tokens/s, uncached {NUM} tokens/s, " \
+           rf"cache speed-up {NUM}x"
 
 
 def bench(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), *args], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), *TINY, *args], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+
+
+def rows(lines):
+    """(model line's groups, train figures, {sequences: generate figures}) for each model benched."""
+    found = []
+    for i, line in enumerate(lines):
+        if line.startswith("model: "):
+            model = re.fullmatch(MODEL, line)
+            train = re.fullmatch(TRAIN, lines[i + 1])
+            generate = [re.fullmatch(GENERATE, lines[i + 2 + j]) for j in range(2)]
+            assert model and train and all(generate), lines[i:i + 4]
+            found.append((model.groups(), [float(x) for x in train.groups()],
+                          {int(m.group(1)): [float(x) for x in m.groups()[1:]] for m in generate}))
+    return found
 
 
 def test_bench_prints_throughput_mfu_and_generation_speed_for_both_depths():
-    result = bench("--n_layer=1", "--n_loop=3", "--n_head=2", "--n_embd=32", "--block_size=32", "--vocab_size=128",
-                   "--batch_size=2", "--warmup_steps=1", "--timed_steps=3", "--gen_tokens=8", "--gen_prompt_len=4",
-                   "--compare_depths=True", "--device=cpu", "--dtype=float32", "--compile=False")
+    result = bench("--compare_depths=True", "--dtype=float32", "--compile=False")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert len(lines) == 7, result.stdout
-    patterns = [
-        r"model: n_layer=(\d+) x n_loop=(\d+) \(unrolled depth 3\), n_embd 32, .*",
-        rf"train: {NUM} tokens/s, {NUM} ms/step \(median of 3\), MFU {NUM}% of {NUM} GFLOP/s",
-        rf"generate: 8 new tokens x 2 sequences: cached {NUM} tokens/s, uncached {NUM} tokens/s, "
-        rf"cache speed-up {NUM}x",
-    ]
-    figures = []
-    for line, pattern in zip(lines[:6], patterns * 2):
-        m = re.fullmatch(pattern, line)
-        assert m, line
-        figures.append([float(x) for x in m.groups()])
-    assert figures[0] == [1, 3] and figures[3] == [3, 1]  # the looped model, then the untied one of equal depth
-    assert all(x > 0 for numbers in figures for x in numbers)
+    assert lines[0] == "allocator: glibc malloc keeps freed memory (common.tune_malloc)"  # Linux with glibc here
+    assert lines[1] == "dtype float32: as set"
+    found = rows(lines)
+    assert [(model[:2], model[2]) for model, _, _ in found] == [(("1", "3"), "float32"), (("3", "1"), "float32")]
+    for _, train, generate in found:
+        assert set(generate) == {1, 2}  # one sequence and batch_size sequences
+        assert all(x > 0 for x in train + generate[1] + generate[2])
     m = re.fullmatch(rf"compare: n_layer=1 x n_loop=3 trains at {NUM}x the tokens/s of n_layer=3 x n_loop=1 "
-                     r"\(same unrolled FLOPs\)", lines[6])
-    assert m, lines[6]
-    assert float(m.group(1)) == pytest.approx(figures[1][0] / figures[4][0], rel=0.01)  # the ratio of the two lines
+                     r"\(same unrolled FLOPs\)", lines[-1])
+    assert m, lines[-1]
+    assert float(m.group(1)) == pytest.approx(found[0][1][0] / found[1][1][0], rel=0.01)  # the ratio of the lines
 
+
+def test_compiled_depths_with_generation_stay_within_the_recompile_limit():
+    """Two compiled models, each training and generating cached and uncached for 1 and 2 sequences: 14 graphs of one
+    forward, past dynamo's default limit of 8, after which the last calls would silently run uncompiled. bench.py
+    raises the limit to what it needs and makes hitting it an error; the eager backend captures the same graphs
+    without the compiler's minutes."""
+    result = bench("--compare_depths=True", "--compile=True", "--compile_backend=eager", "--dtype=float32")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert [model[2:] for model, _, _ in rows(lines)] == [("float32", ", compiled")] * 2
+    m = re.fullmatch(r"compile: (\d+) graphs, within the recompile limit of (\d+)", lines[-1])
+    assert m and 8 < int(m.group(1)) <= int(m.group(2)), lines[-1]
+
+
+def test_compare_dtypes_prints_three_rows_and_their_ratios():
+    result = bench("--compare_dtypes=True", "--compile_backend=eager", "--gen_tokens=0", "--warmup_steps=0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    models = [re.fullmatch(MODEL, line) for line in lines if line.startswith("model: ")]
+    train = [float(re.fullmatch(TRAIN, line).group(1)) for line in lines if line.startswith("train: ")]
+    assert [m.groups()[2:] for m in models] == [("float32", None), ("bfloat16", None), ("bfloat16", ", compiled")]
+    m = re.fullmatch(rf"compare: n_layer=1 x n_loop=3: bfloat16 trains at {NUM}x the tokens/s of float32, "
+                     rf"bfloat16 compiled at {NUM}x", lines[-2])
+    assert m, lines[-2]
+    assert [float(x) for x in m.groups()] == pytest.approx([train[1] / train[0], train[2] / train[0]], abs=0.01)
+    assert re.fullmatch(r"compile: \d+ graphs, within the recompile limit of \d+", lines[-1])

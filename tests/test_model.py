@@ -1,9 +1,13 @@
 import math
+import os
 
 import pytest
 import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+from torch.nn import functional as F
 
-from model import GPT, GPTConfig, RESIDUALS, residual_coefficients
+from model import GPT, GPTConfig, KVCache, RESIDUALS, residual_coefficients
 
 
 def tiny(**kw):
@@ -174,3 +178,101 @@ def test_mfu_counts_flops_over_the_unrolled_depth():
     # same unrolled depth, same matmuls per token
     assert looped.flops_per_token() == untied.flops_per_token()
     assert looped.estimate_mfu(1000, 1.0, 1e12) == pytest.approx(looped.flops_per_token() * 1000 / 1e12)
+
+
+def test_one_token_decode_step_attends_without_a_mask(monkeypatch):
+    """After the prompt, each new token is one query that may see every cached key: no mask is built or passed, so
+    that the fastest attention kernels stay eligible (any attn_mask rules out flash attention)."""
+    model = GPT(tiny(n_loop=2)).eval()
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        calls.append((q.size(2), k.size(2), attn_mask, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
+    model.generate(torch.zeros(1, 5, dtype=torch.long), 3, top_k=1)
+    visits = 4  # 2 blocks x 2 loops
+    assert calls == [(5, 5, None, True)] * visits + [(1, 6, None, False)] * visits + [(1, 7, None, False)] * visits
+
+
+def test_kv_cache_fills_one_preallocated_buffer_per_visit():
+    model = GPT(tiny(n_loop=2, block_size=16)).eval()
+    cache = [KVCache() for _ in range(4)]
+    model(torch.zeros(2, 5, dtype=torch.long), kv_cache=cache)
+    buffers = [(c.k.data_ptr(), c.v.data_ptr()) for c in cache]
+    assert all(c.past == 5 and c.k.shape == c.v.shape == (2, 2, 16, 16) for c in cache)
+    for _ in range(3):
+        model(torch.zeros(2, 1, dtype=torch.long), kv_cache=cache)
+    assert all(c.past == 8 for c in cache)
+    assert [(c.k.data_ptr(), c.v.data_ptr()) for c in cache] == buffers  # written in place, never regrown
+
+
+def test_generation_never_samples_ids_at_or_above_vocab_size_limit():
+    model = GPT(tiny()).eval()
+    with torch.no_grad():
+        model.transformer.h[-1].ln_2.bias.fill_(1.0)  # the last LayerNorm's output now sums to n_embd
+        model.lm_head.weight[100:] = 1.0  # so that the padding ids win every step
+    out = model.generate(torch.zeros(2, 3, dtype=torch.long), 20, vocab_size_limit=100)
+    assert out[:, 3:].max() < 100
+    assert model.generate(torch.zeros(2, 3, dtype=torch.long), 5, top_k=1)[:, 3:].min() >= 100  # without the limit
+
+
+def test_compiled_greedy_decode_equals_eager_with_a_few_graphs_for_any_length():
+    """torch.compile on the whole forward (as sample.py and bench.py do) with the aot_eager backend, which traces and
+    functionalizes like inductor but skips code generation: same tokens as eager, and the graph count does not grow
+    with the number of tokens (the prompt, the decode step, the full-buffer decode, the sliding window)."""
+    torch.manual_seed(3)
+    model = GPT(tiny(n_loop=2, block_size=16)).eval()
+    prompt = torch.randint(0, 128, (2, 5))
+    eager = model.generate(prompt, 25, top_k=1)
+    torch._dynamo.reset()
+    counters["stats"].clear()
+    model.compile(backend="aot_eager")
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            assert torch.equal(model.generate(prompt, 25, top_k=1), eager)  # 25 tokens: past block_size 16
+            graphs = counters["stats"]["unique_graphs"]
+            assert torch.equal(model.generate(prompt, 10, top_k=1), eager[:, :15])
+        assert graphs <= 4 and counters["stats"]["unique_graphs"] == graphs
+    finally:
+        torch._dynamo.reset()
+
+
+def test_from_checkpoint_reads_onto_the_cpu_then_moves_the_model(tmp_path):
+    model = GPT(tiny())
+    args = dict(block_size=32, vocab_size=128, n_layer=2, n_loop=1, n_head=2, n_embd=32, dropout=0.0, bias=True)
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+    model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))[1].backward()
+    optimizer.step()
+    torch.save(dict(program="deeploop-train", model=model.state_dict(), model_args=args,
+                    optimizer=optimizer.state_dict()), tmp_path / "ckpt.pt")
+    # "meta" stands in for a GPU here: the model goes there, what the file held stays on the CPU
+    loaded, ckpt = GPT.from_checkpoint(str(tmp_path / "ckpt.pt"), device="meta")
+    assert {p.device.type for p in loaded.parameters()} == {"meta"}
+    assert {t.device.type for state in ckpt["optimizer"]["state"].values() for t in state.values()} == {"cpu"}
+    loaded, _ = GPT.from_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+
+
+def test_from_checkpoint_raises_with_the_fix_in_the_message(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*ckpt.pt; train one with `python train.py "
+                                                r"config/smoke_cpu.py` or set --out_dir"):
+        GPT.from_checkpoint(path)
+    with open(path, "w") as f:
+        f.write("not a checkpoint")
+    with pytest.raises(ValueError, match=r"ckpt.pt is not a readable checkpoint \(UnpicklingError\); point --out_dir"):
+        GPT.from_checkpoint(path)
+    torch.save({"a": 1}, path)
+    with pytest.raises(ValueError, match="ckpt.pt was not written by this project's train.py"):
+        GPT.from_checkpoint(path)
+
+
+def test_model_module_imports_nothing_of_the_project_and_never_exits():
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model.py")) as f:
+        source = f.read()
+    imported = {line.split()[1].split(".")[0] for line in source.splitlines() if line.startswith(("import ", "from "))}
+    assert imported == {"inspect", "math", "os", "dataclasses", "torch"}
+    assert "exit(" not in source and "die(" not in source

@@ -129,6 +129,25 @@ def test_resume_is_exact(workdir, first_half, whole):
     assert [(s["iter"], s["resumed"]) for s in starts] == [(0, False), (HALF, True)]
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_float32_run_resumes_in_half_precision(dtype, workdir, first_half):
+    """Weights and optimizer state are float32 whatever the dtype (autocast casts per operation): a checkpoint
+    resumes in any precision, float16 starting its loss scaling afresh."""
+    half_dir, _ = first_half
+    shutil.copytree(half_dir, workdir / f"resumed_{dtype}")
+    result = train(workdir, f"--out_dir=resumed_{dtype}", f"--max_iters={HALF + 2}", "--dropout=0.1",
+                   "--init_from=resume", f"--dtype={dtype}")
+    assert f"dtype {dtype}: as set" in result.stdout.splitlines()
+    ckpt = load(workdir / f"resumed_{dtype}")
+    assert ckpt["iter_num"] == HALF + 2 and ckpt["config"]["dtype"] == dtype
+    assert {t.dtype for t in ckpt["model"].values()} == {torch.float32}
+    assert (ckpt["scaler"] is not None) == (dtype == "float16")
+    losses = [r["loss"] for r in records(workdir / f"resumed_{dtype}", "train")]
+    assert len(losses) == HALF + 2 and all(0 < loss < 6 for loss in losses)
+    first = {r["iter"]: r["loss"] for r in records(half_dir, "train")}
+    assert abs(losses[HALF] - first[HALF - 1]) < 0.5  # carries on from where the float32 run stopped
+
+
 def test_nan_loss_stops_and_keeps_the_last_checkpoint(workdir, first_half):
     half_dir, _ = first_half
     shutil.copytree(half_dir, workdir / "diverged")

@@ -1,0 +1,136 @@
+"""
+What the scripts (train.py, sample.py, bench.py, eval_downstream.py) share about running on a device: the allocator,
+the precision, timing, and the MFU yardstick. Nothing here runs on import; each script calls what it needs.
+
+The precision rule (`choose_dtype`, for dtype="auto"):
+    CUDA with native bfloat16 (Ampere and newer)         -> bfloat16 autocast
+    CUDA without it (V100, T4: bfloat16 only emulated)    -> float16 autocast with loss scaling (GradScaler)
+    CPU with AMX bfloat16 tile units (amx_bf16 in /proc/cpuinfo) -> bfloat16 autocast
+    anything else (CPUs without AMX, Apple's MPS)         -> float32
+On a Xeon that exposes avx512_bf16 but not AMX, bench.py's default model trained at 0.64x the speed in bfloat16
+(CPU time per step, measured one thread, one process, steps interleaved): the vector instructions alone do not pay
+for autocast's casts, so they do not count.
+Weights and optimizer state stay float32 in every case (autocast casts per operation), so a checkpoint resumes in any
+dtype.
+"""
+
+import ctypes
+import math
+import os
+import platform
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def tune_malloc():
+    """On glibc Linux, keep freed memory in the process instead of handing it back to the OS -> True if applied.
+
+    glibc serves every allocation above its mmap threshold (at most 32 MB by default) with a fresh mmap and unmaps it
+    on free, and trims the heap top back to the OS. A training step's logits and activations are hundreds of MB, so
+    each step page-faulted them in again: bench.py's default model in float32 (one thread) spent 0.98 s of its 3.73
+    CPU-seconds per step in the kernel; with both thresholds raised, 0 s of 2.84 (1.3x less CPU time per step).
+    Other C libraries and systems keep their own policies: untouched.
+    Call it before the first large allocation; it is process-wide and lasts until the process exits. Processes that a
+    script starts with subprocess are Python scripts of this project and call it themselves."""
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # from glibc's malloc.h
+    limit = 2**31 - 1  # mallopt takes a C int: 2 GiB, larger than any one buffer of the models here on a CPU
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, limit)) and bool(libc.mallopt(M_TRIM_THRESHOLD, limit))
+
+
+def cpu_flags():
+    """The instruction-set flags of this CPU from /proc/cpuinfo (Linux); empty where there is none."""
+    if not os.path.isfile("/proc/cpuinfo"):
+        return set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def choose_dtype(device, dtype="auto"):
+    """(dtype, why) for a device: dtype as given, or for "auto" the rule in this module's docstring. Raises
+    ValueError for an unknown dtype."""
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
+        return dtype, "as set"
+    device_type = device.split(":")[0]
+    if device_type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        # including_emulation=False: a V100 or T4 "supports" bfloat16 only through slow emulation
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return "bfloat16", f"{name} computes bfloat16 natively"
+        return "float16", f"{name} has no native bfloat16, so float16 with loss scaling"
+    if device_type == "cpu":
+        if "amx_bf16" in cpu_flags():
+            return "bfloat16", "the CPU has AMX bfloat16 units (amx_bf16)"
+        return "float32", "the CPU has no AMX bfloat16 units (amx_bf16); without them bfloat16 trains slower"
+    return "float32", f"no half-precision rule for {device_type}"
+
+
+def allow_tf32(device):
+    """On CUDA, let float32 matmuls and convolutions use TF32 tensor cores (as nanoGPT does): a process-wide switch,
+    made explicitly by the scripts that want it. Elsewhere nothing changes."""
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def autocast_context(device, dtype):
+    """The context a forward pass runs in: float32 as it is, bfloat16 or float16 through autocast."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose float32, bfloat16 or float16")
+    device_type = device.split(":")[0]  # autocast wants "cuda", not "cuda:1"
+    return nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
+
+
+def synchronize(device):
+    """Wait until the given device has finished its queued work (timings must include it): on CUDA, the device named,
+    not the current one."""
+    device_type = device.split(":")[0]
+    if device_type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device_type == "mps":
+        torch.mps.synchronize()
+
+
+def default_peak_flops(device, dtype):
+    """(FLOP/s of one device, where the number comes from), the yardstick of MFU when none is given. GPUs we know:
+    the datasheet's dense bf16/fp16 number. CPUs: threads x clock x 2 FMA units x float32 SIMD lanes x 2 FLOPs per
+    FMA, an estimate for server cores, but the same in every run (timing matmuls on shared cores varies 10x).
+    Anything else: the fastest of a few timed large matmuls."""
+    device_type = device.split(":")[0]
+    if device_type == "cuda" and dtype != "float32":
+        name = torch.cuda.get_device_name(device)
+        # the first key found in the name wins: NVL and PCIe cards before the SXM parts they share a name with
+        for key, flops in (("H100 NVL", 835e12), ("H200 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12),
+                           ("H200", 989e12), ("A100", 312e12)):
+            if key in name:
+                return flops, f"{name} datasheet"
+    if device_type == "cpu" and os.path.isfile("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            mhz = max([float(line.split(":")[1]) for line in f if line.startswith("cpu MHz")], default=0)
+        simd = torch.backends.cpu.get_cpu_capability()
+        lanes = {"AVX512": 16, "AVX2": 8}.get(simd, 4)
+        if mhz:
+            return torch.get_num_threads() * mhz * 1e6 * 2 * lanes * 2, \
+                f"{torch.get_num_threads()} threads x {mhz:.0f} MHz x {simd}"
+    n = 8192 if device_type == "cuda" else 1024
+    a = torch.full((n, n), 0.5, device=device, dtype=getattr(torch, dtype))  # no random numbers: the seeds stay put
+    best = math.inf
+    for _ in range(11):  # the first one warms up; the fastest of the rest is the least disturbed by other processes
+        synchronize(device)
+        t0 = time.perf_counter()
+        a @ a
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best, "measured matmuls"

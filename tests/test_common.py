@@ -1,0 +1,124 @@
+import ctypes
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import common
+from common import autocast_context, choose_dtype, default_peak_flops, synchronize, tune_malloc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A made-up CUDA device: set its name and whether it computes bfloat16 natively."""
+    card = dict(name="NVIDIA A100-SXM4-80GB", native_bf16=True, synchronized=[])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: card["name"])
+    # only the native answer counts: called without including_emulation=False this returns True for every card
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: including_emulation or card["native_bf16"])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: card["synchronized"].append(device))
+    return card
+
+
+def test_cuda_with_native_bf16_gets_bfloat16_older_cuda_float16(gpu):
+    assert choose_dtype("cuda") == ("bfloat16", "NVIDIA A100-SXM4-80GB computes bfloat16 natively")
+    gpu.update(name="Tesla V100-SXM2-16GB", native_bf16=False)
+    assert choose_dtype("cuda:1") == ("float16", "Tesla V100-SXM2-16GB has no native bfloat16, so float16 with loss "
+                                                 "scaling")
+
+
+NO_AMX = ("float32", "the CPU has no AMX bfloat16 units (amx_bf16); without them bfloat16 trains slower")
+
+
+@pytest.mark.parametrize("flags,expected", [
+    ({"avx512f", "amx_bf16", "amx_tile", "avx512_bf16"}, ("bfloat16", "the CPU has AMX bfloat16 units (amx_bf16)")),
+    ({"avx2", "avx512f", "avx512_bf16"}, NO_AMX),  # measured slower in bfloat16: see common.py
+    ({"avx2", "avx512f"}, NO_AMX),
+    (set(), NO_AMX),
+])
+def test_cpu_gets_bfloat16_only_with_amx(flags, expected, monkeypatch, gpu):
+    monkeypatch.setattr(common, "cpu_flags", lambda: flags)
+    assert choose_dtype("cpu") == expected
+    assert choose_dtype("cuda") == ("bfloat16", "NVIDIA A100-SXM4-80GB computes bfloat16 natively")  # per device
+
+
+def test_explicit_dtype_is_kept_and_unknown_is_an_error():
+    assert choose_dtype("cpu", "float16") == ("float16", "as set")
+    assert choose_dtype("mps") == ("float32", "no half-precision rule for mps")
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'; choose auto, float32, bfloat16 or float16"):
+        choose_dtype("cpu", "fp8")
+    with pytest.raises(ValueError, match="unknown dtype 'auto'; choose float32, bfloat16 or float16"):
+        autocast_context("cpu", "auto")  # resolve auto first
+
+
+def test_this_machines_cpu_flags_are_read():
+    if not os.path.isfile("/proc/cpuinfo"):
+        pytest.skip("no /proc/cpuinfo")
+    assert common.cpu_flags() & {"fpu", "sse2", "avx2", "neon", "fp", "asimd"}
+
+
+def test_synchronize_and_peak_flops_use_the_device_given(gpu):
+    synchronize("cuda:1")
+    synchronize("cpu")  # nothing to wait for
+    assert gpu["synchronized"] == ["cuda:1"]
+    for name, flops in (("NVIDIA H100 NVL", 835e12), ("NVIDIA H200 NVL", 835e12), ("NVIDIA H100 PCIe", 756e12),
+                        ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H200", 989e12)):
+        gpu["name"] = name
+        assert default_peak_flops("cuda:1", "bfloat16") == (flops, f"{name} datasheet")
+
+
+class FakeLibc:
+    def __init__(self):
+        self.calls = []
+
+    def mallopt(self, param, value):
+        self.calls.append((param, value))
+        return 1
+
+
+@pytest.mark.parametrize("system,libc,applies", [("linux", ("glibc", "2.36"), True), ("linux", ("musl", ""), False),
+                                                 ("darwin", ("", ""), False), ("win32", ("", ""), False)])
+def test_malloc_is_tuned_on_glibc_linux_only(system, libc, applies, monkeypatch):
+    fake = FakeLibc()
+    monkeypatch.setattr(sys, "platform", system)
+    monkeypatch.setattr(platform, "libc_ver", lambda *args, **kwargs: libc)
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: fake)
+    assert tune_malloc() is applies
+    # M_MMAP_THRESHOLD (-3) and M_TRIM_THRESHOLD (-1) raised to the largest int mallopt takes
+    assert fake.calls == ([(-3, 2**31 - 1), (-1, 2**31 - 1)] if applies else [])
+
+
+MALLINFO = """
+import ctypes, sys
+import torch
+from common import tune_malloc
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Mallinfo2
+if sys.argv[1] == "tuned":
+    assert tune_malloc()
+t = torch.ones(64 << 20)  # 256 MB, like a training step's logits
+mmapped = libc.mallinfo2().hblkhd
+del t
+print(mmapped >> 20, libc.mallinfo2().fordblks >> 20)  # MB served by mmap while alive; MB kept free in the heap
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_tuned_malloc_keeps_a_freed_large_buffer_in_the_process():
+    def run(mode):
+        result = subprocess.run([sys.executable, "-c", MALLINFO, mode], cwd=ROOT, capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 0, result.stderr
+        return [int(x) for x in result.stdout.split()]
+    stock_mmapped, stock_kept = run("stock")
+    tuned_mmapped, tuned_kept = run("tuned")
+    assert stock_mmapped >= 256 and stock_kept < 256  # glibc's default: mapped for the buffer, unmapped on free
+    assert tuned_mmapped < 256 and tuned_kept >= 256  # tuned: from the heap, and still there to reuse after free
