@@ -1,5 +1,6 @@
 """
-Check a GPU machine end to end before spending GPU-days on it: one command, a few minutes, one table.
+Check a GPU machine end to end before spending GPU-days on it: one command and one table, sized to take under 10
+minutes on one GPU (it has not yet run on a GPU: none was available to this project; the dry run below is tested).
 
     python gpu_check.py                          # config/paper_small.py at R=3, bfloat16, torch.compile
     python gpu_check.py --dataset=fineweb_edu    # on your prepared data instead of the builtin corpus
@@ -41,7 +42,7 @@ n_loop = 3  # R of the model checked (unrolled depth 36 for paper_small)
 device = "cuda"
 dtype = "bfloat16"
 compile = True
-batch_size = 8  # sequences per micro-batch: 8 x 1024 tokens at unrolled depth 36 fit an 80 GB GPU
+batch_size = 8  # sequences per micro-batch; lower it if the GPU runs out of memory at unrolled depth 12 * n_loop
 gradient_accumulation_steps = 4  # micro-batches per step of the single-process checks
 train_iters = 40
 resume_iters = 10
@@ -49,7 +50,7 @@ eval_iters = 20
 gen_tokens = 200  # new tokens per sequence in the generation check (8 sequences after a 16-token prompt)
 nproc = torch.cuda.device_count()  # processes of the torchrun check; below 2 skips it
 timeout = 480  # seconds one check may take before it counts as failed
-dry = False  # a tiny model (2 blocks, width 64, context 64) and a few steps: the whole script in a minute on a CPU
+dry = False  # a tiny model (2 blocks, width 64, context 64) and a few steps: every check of the script on a CPU
 configure(globals(), sys.argv[1:])
 
 if os.path.exists(out_dir):
