@@ -180,7 +180,7 @@ class Block(nn.Module):
             return x + self.mlp(self.ln_2(x))
         # Post-LN (deeploop, deepnorm, postln): the residual stream is up-weighted by alpha before each LayerNorm.
         # The stream is the previous norm's output, so ln_*_input (norm_branch_input) differ from identities only
-        # through the learned gains.
+        # through their learned gains (and LayerNorm's biases).
         x = self.ln_1(self.alpha * x + self.attn(self.ln_attn_input(x), cache, rope))
         return self.ln_2(self.alpha * x + self.mlp(self.ln_mlp_input(x)))
 
