@@ -20,6 +20,8 @@ from torch.nn import functional as F
 from torch.func import functional_call
 
 RESIDUALS = ("deeploop", "deepnorm", "postln", "preln")
+NORMS = ("layernorm", "rmsnorm")
+POSITION_ENCODINGS = ("learned", "rope")
 
 
 def residual_coefficients(residual, unrolled_depth):
@@ -57,14 +59,28 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     residual: str = "deeploop"
+    # The backbone; the defaults are GPT-2's blocks. The DeepLoop paper's backbone is rmsnorm + rope +
+    # norm_branch_input=True, the Post-LN block x = RMSNorm(alpha * x + f(RMSNorm(x))). Pre-LN blocks already feed
+    # their branches a normalized input, so norm_branch_input changes only Post-LN schemes.
+    norm: str = "layernorm"               # layernorm | rmsnorm: every normalization in the model
+    position_encoding: str = "learned"    # learned (GPT-2's position embedding) | rope (rotary, on q and k)
+    norm_branch_input: bool = False       # Post-LN: normalize the input of each attention and MLP branch too
 
     def __post_init__(self):
         if self.residual not in RESIDUALS:
             raise ValueError(f"unknown residual scheme {self.residual!r}; choose one of {', '.join(RESIDUALS)}")
+        if self.norm not in NORMS:
+            raise ValueError(f"unknown norm {self.norm!r}; choose one of {', '.join(NORMS)}")
+        if self.position_encoding not in POSITION_ENCODINGS:
+            raise ValueError(f"unknown position_encoding {self.position_encoding!r}; choose one of "
+                             f"{', '.join(POSITION_ENCODINGS)}")
         if self.n_loop < 1 or self.n_layer < 1:
             raise ValueError(f"n_layer and n_loop must be >= 1, got n_layer={self.n_layer} n_loop={self.n_loop}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.position_encoding == "rope" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"rope rotates pairs of channels: the head size n_embd/n_head="
+                             f"{self.n_embd // self.n_head} must be even")
 
     @property
     def unrolled_depth(self):
@@ -92,6 +108,28 @@ class KVCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
+def make_norm(config):
+    """The normalization every norm in the model uses. RMSNorm gets LayerNorm's eps: its default (None) would take the
+    input dtype's machine epsilon, 0.008 for bfloat16, and change the model with the precision."""
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.n_embd, eps=1e-5)
+    return nn.LayerNorm(config.n_embd, bias=config.bias)
+
+
+def rotary_tables(block_size, head_size, base=10000.0):
+    """cos and sin (block_size, head_size / 2) of RoPE's angles: position t turns channel pair i by t * base^(-2i/d)."""
+    inv_freq = base ** -(torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)
+    angles = torch.outer(torch.arange(block_size, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x, cos, sin):
+    """Rotate the channel pairs (i, i + d/2) of x (B, n_head, T, d) by the angles of its T positions. The rotation
+    runs in float32 and returns x's dtype, so that under autocast q, k and v keep one dtype."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
@@ -103,10 +141,12 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, cache=None):
+    def forward(self, x, cache=None, rope=None):
         B, T, C = x.shape
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
                    for t in self.c_attn(x).split(C, dim=2))
+        if rope is not None:  # (cos, sin) of these T positions; cached keys are stored already rotated
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         past = 0  # positions before these T, whose keys and values come from the cache
         if cache is not None:
             past = cache.past
@@ -141,18 +181,23 @@ class Block(nn.Module):
         super().__init__()
         self.pre_ln = config.residual == "preln"
         self.alpha = alpha
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = make_norm(config)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
+        branch_norm = config.norm_branch_input and not self.pre_ln
+        self.ln_attn_input = make_norm(config) if branch_norm else nn.Identity()
+        self.ln_mlp_input = make_norm(config) if branch_norm else nn.Identity()
 
-    def forward(self, x, cache=None):
+    def forward(self, x, cache=None, rope=None):
         if self.pre_ln:  # GPT-2
-            x = x + self.attn(self.ln_1(x), cache)
+            x = x + self.attn(self.ln_1(x), cache, rope)
             return x + self.mlp(self.ln_2(x))
-        # Post-LN (deeploop, deepnorm, postln): the residual stream is up-weighted by alpha before each LayerNorm
-        x = self.ln_1(self.alpha * x + self.attn(x, cache))
-        return self.ln_2(self.alpha * x + self.mlp(x))
+        # Post-LN (deeploop, deepnorm, postln): the residual stream is up-weighted by alpha before each LayerNorm.
+        # The stream is the previous norm's output, so ln_*_input (norm_branch_input) differ from identities only
+        # through their learned gains (and LayerNorm's biases).
+        x = self.ln_1(self.alpha * x + self.attn(self.ln_attn_input(x), cache, rope))
+        return self.ln_2(self.alpha * x + self.mlp(self.ln_mlp_input(x)))
 
 
 class GPT(nn.Module):
@@ -164,16 +209,20 @@ class GPT(nn.Module):
         self.alpha, self.beta = residual_coefficients(config.residual, N)
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd) if config.position_encoding == "learned" else None,
             # Post-LN blocks read a normalized stream everywhere but at the first block; normalizing the embedding
             # (as BERT does) makes that one alike. Without it the tiny embedding (std 0.02) is soon swamped by what
             # the first branches learn to output for every position, and the model collapses to unigram statistics.
-            ln_e=nn.Identity() if config.residual == "preln" else nn.LayerNorm(config.n_embd, bias=config.bias),
+            ln_e=nn.Identity() if config.residual == "preln" else make_norm(config),
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config, self.alpha) for _ in range(config.n_layer)]),
             # Post-LN blocks already end in a LayerNorm; only Pre-LN needs a final one
-            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias) if config.residual == "preln" else nn.Identity(),
+            ln_f=make_norm(config) if config.residual == "preln" else nn.Identity(),
         ))
+        if config.position_encoding == "rope":  # not in the state dict: a pure function of the config
+            cos, sin = rotary_tables(config.block_size, config.n_embd // config.n_head)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
 
@@ -200,7 +249,8 @@ class GPT(nn.Module):
         """Stored parameters; independent of n_loop. The position embedding is left out by default (as in nanoGPT);
         the token embedding stays in because it is also the output layer."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+        wpe = self.transformer.wpe
+        return n - wpe.weight.numel() if non_embedding and wpe is not None else n
 
     def _visits(self, n_loop):
         """The unrolled order of physical blocks: 0..L-1, then again, n_loop times."""
@@ -210,8 +260,16 @@ class GPT(nn.Module):
         T = idx.size(1)
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of length {start + T} is longer than block_size {self.config.block_size}")
-        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
-        return self.transformer.drop(self.transformer.ln_e(self.transformer.wte(idx) + self.transformer.wpe(pos)))
+        x = self.transformer.wte(idx)
+        if self.transformer.wpe is not None:
+            x = x + self.transformer.wpe(torch.arange(start, start + T, dtype=torch.long, device=idx.device))
+        return self.transformer.drop(self.transformer.ln_e(x))
+
+    def _rope(self, start, T):
+        """RoPE's (cos, sin) for positions [start, start + T), or None with learned positions."""
+        if self.config.position_encoding != "rope":
+            return None
+        return self.rope_cos[start:start + T], self.rope_sin[start:start + T]
 
     def _loss(self, logits, targets):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
@@ -221,9 +279,10 @@ class GPT(nn.Module):
         n_loop runs another loop count than the model was built with (test-time depth); alpha stays as built.
         Used by generate(): kv_cache, a list with one KVCache per unrolled visit, and last_only, which spares the
         output layer all positions but the last."""
-        x = self._embed(idx, start=kv_cache[0].past if kv_cache else 0)
+        start = kv_cache[0].past if kv_cache else 0
+        x, rope = self._embed(idx, start), self._rope(start, idx.size(1))
         for i, block in enumerate(self._visits(n_loop)):
-            x = block(x, kv_cache[i] if kv_cache is not None else None)
+            x = block(x, kv_cache[i] if kv_cache is not None else None, rope)
         logits = self.lm_head(self.transformer.ln_f(x[:, -1:] if last_only else x))
         return logits, None if targets is None else self._loss(logits, targets)
 
@@ -270,11 +329,11 @@ class GPT(nn.Module):
         Each visit runs the block with its own leaf copy of the block's parameters (sharing storage), so autograd
         hands back the per-visit gradient contributions g_r, whose sum is the block's real gradient."""
         visits = self._visits(None)
-        x = self._embed(idx)
+        x, rope = self._embed(idx), self._rope(0, idx.size(1))
         residual_rms, visit_params = [], []
         for block in visits:
             params = {name: p.detach().requires_grad_() for name, p in block.named_parameters()}
-            x = functional_call(block, params, (x,))
+            x = functional_call(block, params, (x, None, rope))
             visit_params.append(params)
             residual_rms.append(x.detach().pow(2).mean().sqrt().item())
         loss = self._loss(self.lm_head(self.transformer.ln_f(x)), targets)

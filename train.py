@@ -69,6 +69,9 @@ n_embd = 768
 dropout = 0.0
 bias = True
 residual = "deeploop"    # deeploop | deepnorm | postln | preln
+norm = "layernorm"       # layernorm | rmsnorm
+position_encoding = "learned"  # learned | rope
+norm_branch_input = False  # Post-LN blocks as x = Norm(alpha * x + f(Norm(x))), the DeepLoop paper's form
 # AdamW; weight decay applies to matrices only (model.configure_optimizers)
 learning_rate = 6e-4
 max_iters = 600000
@@ -232,7 +235,8 @@ def to_device(batch):
 
 # model and optimizer
 model_args = dict(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_loop=n_loop, n_head=n_head,
-                  n_embd=n_embd, dropout=dropout, bias=bias, residual=residual)
+                  n_embd=n_embd, dropout=dropout, bias=bias, residual=residual, norm=norm,
+                  position_encoding=position_encoding, norm_branch_input=norm_branch_input)
 try:
     gpt_config = GPTConfig(**model_args)
 except ValueError as e:
@@ -250,8 +254,9 @@ else:
     if checkpoint["tokenizer"] != meta["tokenizer"]:
         die(f"{ckpt_path} was trained on {checkpoint['tokenizer']} tokens but data/{dataset} holds "
             f"{meta['tokenizer']} tokens; resume with the dataset it was trained on")
-    changed = [f"{k}={model_args[k]!r} (checkpoint: {v!r})" for k, v in checkpoint["model_args"].items()
-               if model_args[k] != v]
+    # against the loaded model's config: a checkpoint older than a setting means its default
+    changed = [f"{k}={v!r} (checkpoint: {getattr(raw_model.config, k)!r})" for k, v in model_args.items()
+               if getattr(raw_model.config, k) != v]
     if changed:
         die(f"resuming {ckpt_path} with another model: {', '.join(changed)}; use the run's config unchanged")
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]

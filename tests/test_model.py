@@ -7,13 +7,24 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 from torch.nn import functional as F
 
-from model import GPT, GPTConfig, KVCache, RESIDUALS, residual_coefficients
+from model import GPT, GPTConfig, KVCache, NORMS, POSITION_ENCODINGS, RESIDUALS, apply_rotary, residual_coefficients
 
 
 def tiny(**kw):
     args = dict(block_size=32, vocab_size=128, n_layer=2, n_loop=1, n_head=2, n_embd=32, dropout=0.0, bias=True)
     args.update(kw)
     return GPTConfig(**args)
+
+
+PAPER = dict(norm="rmsnorm", position_encoding="rope", norm_branch_input=True)  # the DeepLoop paper's backbone
+# every backbone: both norms x both position encodings x both Post-LN block forms, and Pre-LN with each norm/position
+BACKBONES = [dict(residual="deeploop", norm=n, position_encoding=p, norm_branch_input=b)
+             for n in NORMS for p in POSITION_ENCODINGS for b in (False, True)] + \
+            [dict(residual="preln", norm=n, position_encoding=p) for n in NORMS for p in POSITION_ENCODINGS]
+
+
+def backbone_id(backbone):
+    return "-".join(str(v) for v in backbone.values())
 
 
 @pytest.mark.parametrize("n_layer,n_loop", [(1, 1), (2, 4), (6, 2), (12, 1), (2, 48)])
@@ -32,10 +43,11 @@ def test_unknown_residual_is_rejected():
         GPTConfig(residual="deepnet")
 
 
+@pytest.mark.parametrize("backbone", [{}, PAPER], ids=["gpt2", "paper"])
 @pytest.mark.parametrize("residual", ["deeploop", "deepnorm"])
-def test_init_scales_v_out_and_mlp_by_beta_but_not_q_k(residual):
+def test_init_scales_v_out_and_mlp_by_beta_but_not_q_k(residual, backbone):
     # wide matrices so that the sample std is within ~1% of the true one
-    cfg = dict(n_layer=2, n_loop=4, n_embd=256, n_head=4)
+    cfg = dict(n_layer=2, n_loop=4, n_embd=256, n_head=4, **backbone)
     torch.manual_seed(0)
     scaled = GPT(tiny(residual=residual, **cfg))
     torch.manual_seed(0)
@@ -83,10 +95,11 @@ def test_forward_visits_each_physical_block_n_loop_times_in_order():
     assert order == [0, 1, 2] * 3
 
 
+@pytest.mark.parametrize("backbone", [{}, PAPER], ids=["gpt2", "paper"])
 @pytest.mark.parametrize("residual", RESIDUALS)
-def test_causality(residual):
+def test_causality(residual, backbone):
     torch.manual_seed(0)
-    model = GPT(tiny(residual=residual, n_loop=2)).eval()
+    model = GPT(tiny(residual=residual, n_loop=2, **backbone)).eval()
     idx = torch.randint(0, 128, (1, 20))
     t = 11
     changed = idx.clone()
@@ -97,10 +110,11 @@ def test_causality(residual):
     assert not torch.allclose(a[:, t], b[:, t])
 
 
+@pytest.mark.parametrize("backbone", BACKBONES, ids=backbone_id)
 @pytest.mark.parametrize("n_loop,override", [(1, None), (3, None), (3, 1), (2, 5)])
-def test_cached_greedy_generation_equals_recomputing_the_context(n_loop, override):
+def test_cached_greedy_generation_equals_recomputing_the_context(n_loop, override, backbone):
     torch.manual_seed(1)
-    model = GPT(tiny(n_loop=n_loop, block_size=16)).eval()
+    model = GPT(tiny(n_loop=n_loop, block_size=16, **backbone)).eval()
     prompt = torch.randint(0, 128, (2, 5))
     # 30 new tokens run the context well past block_size=16, where the window slides
     cached = model.generate(prompt, 30, top_k=1, n_loop=override)
@@ -276,3 +290,105 @@ def test_model_module_imports_nothing_of_the_project_and_never_exits():
     imported = {line.split()[1].split(".")[0] for line in source.splitlines() if line.startswith(("import ", "from "))}
     assert imported == {"inspect", "math", "os", "dataclasses", "torch"}
     assert "exit(" not in source and "die(" not in source
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(norm="batchnorm"), "unknown norm 'batchnorm'; choose one of layernorm, rmsnorm"),
+    (dict(position_encoding="alibi"), "unknown position_encoding 'alibi'; choose one of learned, rope"),
+    (dict(position_encoding="rope", n_embd=30, n_head=2), "rope rotates pairs of channels: the head size "
+                                                          "n_embd/n_head=15 must be even"),
+])
+def test_bad_backbone_settings_are_rejected(kw, message):
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        tiny(**kw)
+
+
+def test_rope_scores_depend_only_on_the_distance_between_positions():
+    model = GPT(tiny(position_encoding="rope", block_size=64, n_embd=64, n_head=2))
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 1, 1, 1, 32).unbind(0)  # one head's query and key, (B, n_head, T, head_size)
+
+    def score(m, n):
+        rotated_q = apply_rotary(q, model.rope_cos[m:m + 1], model.rope_sin[m:m + 1])
+        rotated_k = apply_rotary(k, model.rope_cos[n:n + 1], model.rope_sin[n:n + 1])
+        return (rotated_q * rotated_k).sum().item()
+
+    assert score(0, 0) == pytest.approx((q * k).sum().item(), rel=1e-6)  # position 0 is not rotated
+    for m, n in [(5, 2), (40, 1), (17, 17)]:
+        for shift in (1, 9, 63 - max(m, n)):
+            assert score(m + shift, n + shift) == pytest.approx(score(m, n), rel=1e-4, abs=1e-5)
+    assert score(5, 2) != pytest.approx(score(5, 4), rel=1e-3)  # but the distance matters
+
+
+def test_rope_model_sees_relative_positions_only():
+    """The same tokens at positions [s, s + T) or [0, T) give the same attention output: no absolute position is
+    stored anywhere (no wpe parameter, and the rotary tables are not in the state dict)."""
+    torch.manual_seed(0)
+    model = GPT(tiny(position_encoding="rope", **{k: v for k, v in PAPER.items() if k != "position_encoding"}))
+    assert model.transformer.wpe is None
+    assert not [k for k in model.state_dict() if "wpe" in k or "rope" in k]
+    attn = model.transformer.h[0].attn
+    with torch.no_grad():  # sharper attention than at init, where near-zero scores leave positions little to do
+        attn.c_attn.weight[:64] *= 30
+    x = torch.randn(2, 10, 32)
+    at_start = attn(x, rope=model._rope(0, 10))
+    shifted = attn(x, rope=model._rope(13, 10))
+    torch.testing.assert_close(shifted, at_start, rtol=1e-3, atol=1e-7)
+    assert (attn(x, rope=None) - at_start).abs().max() > 0.1 * at_start.abs().max()  # the rotation does something
+
+
+@pytest.mark.parametrize("residual", RESIDUALS)
+def test_rope_drops_only_the_position_embedding_from_the_counts(residual):
+    learned = GPT(tiny(residual=residual))
+    rope = GPT(tiny(residual=residual, position_encoding="rope"))
+    assert rope.num_params(non_embedding=False) == learned.num_params(non_embedding=False) - 32 * 32
+    assert rope.num_params() == learned.num_params()  # wpe is never counted in the default
+    assert rope.flops_per_token() == learned.flops_per_token()
+
+
+@pytest.mark.parametrize("residual", RESIDUALS)
+def test_rmsnorm_replaces_every_layernorm(residual):
+    torch.manual_seed(0)
+    model = GPT(tiny(residual=residual, norm="rmsnorm", n_loop=2))
+    assert not [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
+    assert len(norms) == 2 * 2 + (1 if residual == "preln" else 1)  # ln_1, ln_2 per block; ln_f or ln_e
+    assert all(norm.eps == 1e-5 and norm.weight.shape == (32,) for norm in norms)
+    if residual != "preln":
+        # a Post-LN stream leaves every visit with RMS 1 per position, and, unlike LayerNorm's, a non-zero mean
+        x = model.transformer.h[0](model._embed(torch.randint(0, 128, (2, 16))))
+        torch.testing.assert_close(x.pow(2).mean(-1), torch.ones(2, 16), rtol=1e-4, atol=1e-4)
+        assert x.mean(-1).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_branch_input_norms_exist_only_in_post_ln_and_start_as_identities(norm):
+    """norm_branch_input adds a norm before each branch of a Post-LN block. The stream entering a block is already a
+    norm's output, so at init (unit gains) the model computes what it computes without them; their gains then learn."""
+    idx = torch.randint(0, 128, (2, 16))
+    torch.manual_seed(0)
+    plain = GPT(tiny(norm=norm, n_loop=2)).eval()
+    torch.manual_seed(0)
+    branched = GPT(tiny(norm=norm, n_loop=2, norm_branch_input=True)).eval()
+    assert branched.num_params() == plain.num_params() + 2 * 2 * (32 if norm == "rmsnorm" else 64)
+    torch.testing.assert_close(branched(idx)[0], plain(idx)[0], rtol=0, atol=1e-5)  # measured: 3e-7 apart
+    with torch.no_grad():  # one gain changed: the outputs move by ~1e-3 (the branches are beta-scaled at init)
+        branched.transformer.h[0].ln_mlp_input.weight.mul_(10.0)
+    assert (branched(idx)[0] - plain(idx)[0]).abs().max() > 1e-4
+    preln = GPT(tiny(norm=norm, residual="preln", norm_branch_input=True))
+    assert preln.num_params() == GPT(tiny(norm=norm, residual="preln")).num_params()
+
+
+def test_checkpoint_without_backbone_settings_loads_as_gpt2_blocks(tmp_path):
+    """Checkpoints written before the backbone settings existed have no norm/position_encoding/norm_branch_input in
+    model_args: they mean the defaults, which are the blocks those checkpoints hold."""
+    torch.manual_seed(0)
+    model = GPT(tiny(n_loop=2)).eval()
+    old_args = dict(block_size=32, vocab_size=128, n_layer=2, n_loop=2, n_head=2, n_embd=32, dropout=0.0, bias=True,
+                    residual="deeploop")
+    torch.save(dict(program="deeploop-train", model=model.state_dict(), model_args=old_args), tmp_path / "ckpt.pt")
+    loaded, _ = GPT.from_checkpoint(str(tmp_path / "ckpt.pt"))
+    config = loaded.config
+    assert (config.norm, config.position_encoding, config.norm_branch_input) == ("layernorm", "learned", False)
+    idx = torch.randint(0, 128, (1, 12))
+    assert torch.equal(loaded.eval()(idx)[0], model(idx)[0])

@@ -500,3 +500,53 @@ def test_a_signal_to_one_ddp_process_stops_both_at_the_same_step(workdir):
                         rf"python .* --init_from=resume \(launched as this run was\)",
                         output(procs[0]).strip().splitlines()[-1])
     assert output(procs[1]) == ""
+
+
+PAPER = ["--norm=rmsnorm", "--position_encoding=rope", "--norm_branch_input=True"]  # config/paper_*.py's backbone
+
+
+def test_bfloat16_autocast_trains_the_paper_backbone_on_cpu(workdir):
+    """The GPU recipe's precision, through CPU autocast: the rotary q/k keep v's dtype and the run stays finite."""
+    args = ["--max_iters=3", "--eval_interval=3", *PAPER]
+    train(workdir, "--out_dir=paper_fp32", *args)
+    train(workdir, "--out_dir=paper_bf16", "--dtype=bfloat16", *args)
+    ckpt = load(workdir / "paper_bf16")
+    assert {k: ckpt["model_args"][k] for k in ("norm", "position_encoding", "norm_branch_input")} == dict(
+        norm="rmsnorm", position_encoding="rope", norm_branch_input=True)
+    fp32 = [r["loss"] for r in records(workdir / "paper_fp32", "train")]
+    bf16 = [r["loss"] for r in records(workdir / "paper_bf16", "train")]
+    assert bf16 == pytest.approx(fp32, rel=2e-2) and bf16 != fp32  # close, but computed in another precision
+    assert records(workdir / "paper_bf16", "eval")[-1]["val_loss"] == pytest.approx(
+        records(workdir / "paper_fp32", "eval")[-1]["val_loss"], rel=2e-2)
+
+
+def test_compiled_checkpoints_resume_uncompiled_and_back(workdir):
+    """torch.compile on CPU (inductor): a compiled run trains like an eager one, and its checkpoint (no _orig_mod.
+    prefixes) resumes into an eager run, whose checkpoint resumes into a compiled run again. Takes ~30 s: compiling."""
+    train(workdir, "--out_dir=eager", "--max_iters=4", "--eval_interval=2", *PAPER)
+    train(workdir, "--out_dir=compiled", "--max_iters=2", "--eval_interval=2", "--compile=True", *PAPER)
+    assert not [k for k in load(workdir / "compiled")["model"] if k.startswith("_orig_mod.")]
+    train(workdir, "--out_dir=compiled", "--max_iters=3", "--eval_interval=2", "--init_from=resume", *PAPER)
+    train(workdir, "--out_dir=compiled", "--max_iters=4", "--eval_interval=2", "--init_from=resume", "--compile=True",
+          *PAPER)
+    assert load(workdir / "compiled")["iter_num"] == 4
+    eager = {r["iter"]: r["loss"] for r in records(workdir / "eager", "train")}
+    mixed = {r["iter"]: r["loss"] for r in records(workdir / "compiled", "train")}
+    assert list(mixed) == [0, 1, 2, 3] and list(mixed.values()) == pytest.approx(list(eager.values()), rel=1e-4)
+    for key, tensor in load(workdir / "eager")["model"].items():
+        torch.testing.assert_close(load(workdir / "compiled")["model"][key], tensor, rtol=1e-3, atol=1e-4, msg=key)
+
+
+def test_checkpoint_from_before_the_backbone_settings_resumes_as_gpt2_blocks(workdir, first_half):
+    half_dir, _ = first_half
+    shutil.copytree(half_dir, workdir / "old")
+    ckpt = load(workdir / "old")
+    for key in ("norm", "position_encoding", "norm_branch_input"):
+        del ckpt["model_args"][key]
+    torch.save(ckpt, workdir / "old" / "ckpt.pt")
+    result = train(workdir, "--out_dir=old", "--init_from=resume", "--norm=rmsnorm", "--dropout=0.1", expect_rc=2)
+    assert result.stderr.strip().splitlines() == [
+        "error: resuming old/ckpt.pt with another model: norm='rmsnorm' (checkpoint: 'layernorm'); use the run's "
+        "config unchanged"]
+    train(workdir, "--out_dir=old", "--init_from=resume", f"--max_iters={HALF + 1}", "--dropout=0.1")
+    assert load(workdir / "old")["iter_num"] == HALF + 1
