@@ -120,8 +120,9 @@ def run_script(argv, monkeypatch, capsys):
 def test_loglikelihood_is_the_models_and_greedy_means_every_token_is_the_argmax(trained):
     _, model = trained
     lm = lm_for(model)
+    context = "a quick brown fox jumps over lazy"
     [(right, right_greedy), (wrong, wrong_greedy)] = lm.loglikelihood(requests(
-        "loglikelihood", ("a quick brown fox jumps over lazy", " dogs."), ("a quick brown fox jumps over lazy", " dogz.")))
+        "loglikelihood", (context, " dogs."), (context, " dogz.")))
     assert right == pytest.approx(by_hand(model, tokens(SENTENCE), len(" dogs.")), abs=1e-4)
     assert wrong == pytest.approx(by_hand(model, tokens(SENTENCE.replace("dogs", "dogz")), len(" dogz.")), abs=1e-4)
     assert right_greedy and not wrong_greedy and right > wrong
