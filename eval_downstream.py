@@ -1,193 +1,96 @@
 """
-Zero-shot downstream evaluation of a trained checkpoint: HellaSwag, LAMBADA, and any multiple-choice task
-(PIQA, ARC, ...) written in a small generic jsonl format.
+Downstream accuracy of a checkpoint, measured by EleutherAI's lm-evaluation-harness (`lm-eval`), the way the paper
+reports it: the harness does every task's prompts, few-shot examples, metrics and standard errors; this file only
+teaches it to run a model of this project (CheckpointLM below).
 
-    python eval_downstream.py --out_dir=out-smoke --task=hellaswag                 # downloads the val set once
-    python eval_downstream.py --out_dir=out-smoke --task=lambada --limit=500
-    python eval_downstream.py --out_dir=out-smoke --task=hellaswag --n_loop=4      # test-time depth: 4 loops
-    python eval_downstream.py --out_dir=out-smoke --task=multiple_choice --data=piqa_val.jsonl --batch_size=16
+    python eval_downstream.py --out_dir=out-loop_small                        # the 8 default tasks, 0-shot
+    python eval_downstream.py --out_dir=out-loop_small --num_fewshot=1        # ... 1-shot
+    python eval_downstream.py --out_dir=out-loop_small --tasks=hellaswag,piqa --limit=200 --n_loop=4
+    python eval_downstream.py --out_dir=out-smoke --include_path=docs/eval_demo --tasks=deeploop_demo   # offline
 
-The last line on stdout is the result, in this form:
-    hellaswag acc=<summed log-likelihood> acc_norm=<per token> n=<examples> n_loop=<loops run>
-    lambada acc=<whole last word right> ppl=<per word> n=<examples> n_loop=<loops run>
-what was loaded and the progress bar go to stderr.
+Prints the harness's table on stdout and writes the harness's results (without per-sample logs) to
+out_dir/eval_<tasks>_<k>shot_loop<n_loop>_iter<checkpoint step>[_limit<N>].json: runs with other settings or
+another checkpoint step never overwrite each other; a rerun with the same ones replaces its file. Harness logs and
+progress go to stderr.
 
-How a choice is scored. Every task reduces to: which continuation does the model find most likely after a context?
-The model reads context + " " + choice and we add up the log-probabilities of the choice's tokens only.
-  acc       picks the choice with the highest summed log-probability;
-  acc_norm  divides that sum by the choice's number of tokens first (per-token log-likelihood), which stops
-            short choices from winning just because every extra token costs probability.
-A choice's leading tokens that are only whitespace (the joining space, a token of its own in the bytes tokenizer)
-count as context, so both tokenizers score the same thing: the tokens of the words. Contexts that do not fit in
-block_size lose tokens from the LEFT; the choice itself is always scored whole. An empty context becomes the
-document separator token, the position every training document starts from. The text is used as it is (no
-HellaSwag clean-up); lm-evaluation-harness cleans HellaSwag's text and normalises acc_norm by characters rather
-than tokens, so its numbers differ a little from these.
+Tasks. The default list is the paper's downstream set as far as the paper names it (ARC-Challenge, HellaSwag, PIQA,
+Winogrande, scored by `acc` at 0 and 1 shot), filled up to eight with the harness's usual small-model tasks:
+arc_easy, arc_challenge, hellaswag, piqa, winogrande, boolq, openbookqa, lambada_openai. Any task, group or tag the
+harness knows works, and --include_path adds a folder of your own task YAMLs (docs/eval_demo/ is one: a local jsonl,
+no network). The harness takes its tasks' data from the Hugging Face hub and caches it; when the hub cannot be
+reached the script runs offline on what is cached, and stops with one line if a task's data is not there.
 
-Data formats, one JSON object per line (blank lines are skipped; "label" may also be a numeric string like "2"):
-  hellaswag        the published file: {"ctx": str, "endings": [4 str], "label": int, ...other fields ignored}
-                   (default: downloads hellaswag_val.jsonl into --cache_dir)
-  lambada          {"text": str}: the last word is the text after the last space; it counts as right only when
-                   every token of it is the model's greedy (argmax) choice given the true text before it. ppl is
-                   exp of the mean negative log-likelihood of the whole last word (per word, not per token).
-                   (default: downloads OpenAI's lambada_test.jsonl, the detokenized LAMBADA test set)
-  multiple_choice  {"context": str, "choices": [str, str, ...], "label": int}, any number (>= 2) of choices,
-                   which may differ between lines. Needs --data.
-
-Converting PIQA and ARC into the multiple_choice format (the lm-evaluation-harness prompts):
-  PIQA (valid.jsonl with {"goal", "sol1", "sol2"} and the labels, one int per line, in valid-labels.lst):
-      {"context": "Question: " + goal + "\\nAnswer:", "choices": [sol1, sol2], "label": int(label_line)}
-  ARC-Easy / ARC-Challenge (the AI2 jsonl, {"question": {"stem", "choices": [{"text", "label"}, ...]},
-  "answerKey"}):
-      {"context": "Question: " + stem + "\\nAnswer:", "choices": [c["text"] for c in choices],
-       "label": [c["label"] for c in choices].index(answerKey)}
-  (ARC's answer keys are letters, sometimes digits "1".."4": look the key up among the choice labels.)
+How the model is asked. Every task reduces to three requests, which CheckpointLM answers:
+  loglikelihood(context, continuation)  log P(continuation | context), and whether greedy decoding would produce it.
+      The harness splits the text into tokens (a context's trailing spaces go to the continuation; an empty context
+      becomes the document separator). Requests are sorted by length and batch_size of them run in one
+      right-padded forward pass: attention is causal, so padding after a row never changes its scores. A context
+      that does not fit in block_size loses tokens from the LEFT; the continuation is always scored whole, in
+      pieces of block_size tokens if it is longer than that, each piece after as much of the text before it as
+      fits.
+  loglikelihood_rolling(text)  log P(text) after the document separator, for perplexity tasks: the same pieces are
+      the harness's rolling windows (every token predicted once, each window as long as block_size allows).
+  generate_until(context, until, max_gen_toks)  KV-cached generation, one request at a time (contexts differ in
+      length), greedy unless the task asks for sampling; it stops at the first stop string (cut off), at the end of
+      a document, or after max_gen_toks tokens.
+Scores are computed in float32 even under a bfloat16/float16 autocast: the output layer runs outside autocast, as
+bfloat16 logits come in steps of ~0.06 at a logit of 15, enough to flip close choices.
 """
 
+import hashlib
 import json
-import math
+import logging
 import os
+import re
+import socket
 import sys
-import urllib.request
 from contextlib import nullcontext
+from urllib.parse import urlparse
 
 import torch
+from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import normalize_gen_kwargs
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from common import autocast_context, choose_dtype, tune_malloc
 from configurator import configure, die
+from common import allow_tf32, autocast_context, choose_dtype, tune_malloc
 from dataset import get_tokenizer
 from model import GPT
 
-out_dir = "out"  # the train.py run to evaluate: reads out_dir/ckpt.pt
-task = "hellaswag"  # hellaswag | lambada | multiple_choice
-data = ""  # a local jsonl file; "" downloads the task's published file (hellaswag, lambada) into cache_dir
-cache_dir = "data"  # where downloads are kept, so that only the first run needs the network
-download_timeout = 10.0  # seconds; offline, the download fails after at most about this long
-limit = 0  # evaluate only the first `limit` examples; 0 evaluates them all
+out_dir = "out"  # the train.py run to evaluate: reads out_dir/ckpt.pt, writes the results JSON there
+tasks = "arc_easy,arc_challenge,hellaswag,piqa,winogrande,boolq,openbookqa,lambada_openai"  # comma list
+num_fewshot = 0  # examples shown before each question (the paper reports 0 and 1)
+limit = 0  # evaluate only the first `limit` examples of each task (for a quick look; 0 = all)
 n_loop = 0  # loops over the stack of blocks at test time; 0 runs the count the model was trained with
-batch_size = 1  # examples per forward pass (all choices of an example always share one); more is faster on a GPU
+batch_size = 16  # requests per forward pass; more is faster on a GPU
 device = "cuda" if torch.cuda.is_available() else "cpu"  # or cpu, cuda:1, mps
-dtype = "auto"  # auto: what the device computes fastest (common.choose_dtype); or float32, bfloat16, float16
-
-TASKS = ("hellaswag", "lambada", "multiple_choice")
-URLS = {
-    "hellaswag": "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl",
-    "lambada": "https://openaipublic.blob.core.windows.net/gpt-2/data/lambada_test.jsonl",
-}
-# the field names holding (context, choices, label) in each choice task's files
-CHOICE_FIELDS = {"hellaswag": ("ctx", "endings", "label"), "multiple_choice": ("context", "choices", "label")}
+dtype = "auto"  # auto: what the device computes fastest (common.choose_dtype); scores are float32 anyway
+include_path = ""  # a folder of your own task YAMLs, added to the harness's
+seed = 1234  # the harness's seeds (few-shot sampling, and any sampling a task asks for)
+hub_timeout = 3.0  # seconds to wait for the Hugging Face hub before running offline on cached task data
 
 
-def download(url, path, timeout):
-    """The cached copy of url at path, downloading it first if it is not there yet."""
-    if os.path.isfile(path):
-        return path
-    print(f"downloading {url} -> {path}", file=sys.stderr)
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            body = response.read()
-    except (OSError, ValueError) as e:  # URLError, timeouts and refused connections are all OSErrors
-        reason = " ".join(str(getattr(e, "reason", e)).split())  # one line, whatever the platform's message
-        die(f"could not download {url} ({reason}); when offline, fetch the file elsewhere and pass "
-            f"--data=path/to/file.jsonl")
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "wb") as f:  # write aside, then rename: an interrupted download never looks cached
-        f.write(body)
-    os.replace(path + ".tmp", path)
-    return path
+class Float32Head(torch.nn.Module):
+    """The output layer in float32 outside autocast, cut to the tokenizer's ids: ids from n_vocab up only pad the
+    embedding (e.g. GPT-2's 50257 to 50304), are no tokens, and must be neither scored nor generated."""
 
+    def __init__(self, head, n_vocab):
+        super().__init__()
+        self.head, self.n_vocab = head, n_vocab
 
-def read_records(task, path, limit=0):
-    """The examples of a task file as (where, context, choices, label); LAMBADA's become (where, text before the
-    last word, [last word], 0). Checks every line and stops at the first bad one with `path:N: problem`."""
-    if not os.path.isfile(path):
-        die(f"no data file at {path}; pass --data=path/to/file.jsonl")
-    records = []
-    with open(path, "rb") as f:  # bytes, so that a line that is not UTF-8 is reported like any other bad line
-        for lineno, line in enumerate(f, 1):
-            if limit and len(records) == limit:
-                break
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are no UTF-8
-                die(f"{where}: not valid JSON ({' '.join(str(e).split())}); each line must be one UTF-8 JSON object")
-            if not isinstance(obj, dict):
-                die(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            records.append((where, *(parse_lambada(obj, where) if task == "lambada" else
-                                     parse_choices(obj, CHOICE_FIELDS[task], where))))
-    if not records:
-        die(f"{path} holds no examples; expected one JSON object per line")
-    return records
-
-
-def parse_lambada(obj, where):
-    text = obj.get("text")
-    if not isinstance(text, str) or not text.strip():
-        die(f'{where}: expected a non-empty string field "text" (LAMBADA format: {{"text": str}})')
-    text = text.strip()
-    word = text.rsplit(" ", 1)[-1]
-    return text[:-len(word)], [word], 0
-
-
-def parse_choices(obj, fields, where):
-    context_key, choices_key, label_key = fields
-    expected = f'{{"{context_key}": str, "{choices_key}": [str, ...], "{label_key}": int}}'
-    missing = [key for key in fields if key not in obj]
-    if missing:
-        die(f"{where}: missing field {', '.join(missing)}; expected {expected}")
-    context, choices, label = obj[context_key], obj[choices_key], obj[label_key]
-    if not isinstance(context, str):
-        die(f'{where}: "{context_key}" must be a string, got {type(context).__name__}')
-    if not (isinstance(choices, list) and len(choices) >= 2 and all(isinstance(c, str) and c.strip() for c in choices)):
-        die(f'{where}: "{choices_key}" must be a list of at least 2 non-empty strings')
-    if isinstance(label, str) and label.strip().isdigit():
-        label = int(label)
-    if type(label) is not int or not 0 <= label < len(choices):  # type(...) is int: refuses true/false
-        die(f'{where}: "{label_key}" must be an index into "{choices_key}" (0..{len(choices) - 1}), got {label!r}')
-    return context, choices, label
-
-
-def encode_pair(enc, context, choice):
-    """(context ids, choice ids) for scoring " " + choice after context."""
-    ctx = enc.encode_ordinary(context.rstrip()) or [enc.eot_token]
-    cont = enc.encode_ordinary(" " + choice.strip())
-    while len(cont) > 1 and not enc.decode(cont[:1]).strip():  # whitespace-only tokens belong to the context
-        ctx.append(cont.pop(0))
-    return ctx, cont
-
-
-def encode_records(records, enc, block_size):
-    """Records -> examples ([(context ids, choice ids) for each choice], label), the form the scorer takes. (The
-    context ids are the same for every choice unless a tokenizer merges the joining space differently.)"""
-    examples = []
-    for where, context, choices, label in records:
-        pairs = [encode_pair(enc, context, choice) for choice in choices]
-        longest = max(len(cont) for _, cont in pairs)
-        if longest > block_size:  # at least one context token must precede the choice inside the window
-            die(f"{where}: a choice is {longest} tokens long, more than the model's block_size {block_size}; "
-                f"evaluate a model with a longer block_size or drop this example")
-        examples.append((pairs, label))
-    return examples
+    def forward(self, x):
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), self.head.weight[:self.n_vocab].float())
 
 
 @torch.no_grad()
-def score(model, rows, n_loop=0, n_vocab=None, autocast=nullcontext()):
-    """Score rows [(context ids, continuation ids), ...] in ONE forward pass of shape (len(rows), T).
-    Returns [(sum of the continuation's token log-probabilities, its number of tokens, whether every one of its
-    tokens is the argmax), ...].
-
-    Rows are right-padded to the longest one. Padding never changes a score: attention is causal, so a position
-    only sees the positions before it, and the padding comes after every position we read. A row longer than the
-    model's window keeps its last block_size + 1 tokens (the model reads all but the last, which is only a
-    target), i.e. the context is cut from the left and the continuation stays whole."""
+def score(model, rows, n_loop=None, autocast=nullcontext()):
+    """[(sum of the continuation's log-probabilities, whether every one of its tokens is the argmax), ...] for rows
+    [(context ids, continuation ids), ...], continuations of at most block_size tokens, in ONE forward pass. Rows
+    are right-padded to the longest; a row longer than the window keeps its last block_size + 1 tokens (the last
+    one is only a target), i.e. the context is cut from the left."""
     block_size = model.config.block_size
-    if any(len(cont) > block_size for _, cont in rows):  # encode_records has already said so, file and line
-        raise ValueError(f"a continuation is longer than block_size {block_size}")
     seqs = [(ctx + cont)[-(block_size + 1):] for ctx, cont in rows]
     idx = torch.zeros(len(seqs), max(len(s) for s in seqs) - 1, dtype=torch.long)  # pad id 0: never read
     row, pos, targets = [], [], []
@@ -199,98 +102,199 @@ def score(model, rows, n_loop=0, n_vocab=None, autocast=nullcontext()):
         targets += cont
     device = next(model.parameters()).device
     with autocast:
-        logits, _ = model(idx.to(device), n_loop=n_loop or None)
-    # only the positions that predict continuation tokens, in float32 even under autocast; ids from n_vocab up pad
-    # the embedding (e.g. GPT-2's 50257 to 50304) and are no real tokens, so they are no candidates either
-    logits = logits[torch.tensor(row, device=device), torch.tensor(pos, device=device), :n_vocab].float()
+        logits, _ = model(idx.to(device), n_loop=n_loop)
+    logits = logits[torch.tensor(row, device=device), torch.tensor(pos, device=device)].float()  # continuations only
     targets = torch.tensor(targets, device=device)
     logprobs = F.log_softmax(logits, dim=-1).gather(1, targets[:, None]).squeeze(1).cpu()
     hits = (logits.argmax(dim=-1) == targets).cpu()
     sizes = [len(cont) for _, cont in rows]
-    return [(lp.sum().item(), len(lp), bool(h.all()))
-            for lp, h in zip(logprobs.split(sizes), hits.split(sizes))]
+    return [(lp.sum().item(), bool(h.all())) for lp, h in zip(logprobs.split(sizes), hits.split(sizes))]
 
 
-def scored_examples(model, examples, batch_size=1, progress=False, **kwargs):
-    """Yield (example, [score of each of its choices]), scoring batch_size examples per forward pass: all the
-    (context, choice) rows of those examples go into one batch."""
-    bar = tqdm(total=len(examples), disable=not progress, unit="ex", file=sys.stderr)
-    for start in range(0, len(examples), batch_size):
-        batch = examples[start:start + batch_size]
-        scores = iter(score(model, [pair for pairs, _ in batch for pair in pairs], **kwargs))
-        for example in batch:
-            yield example, [next(scores) for _ in example[0]]
-        bar.update(len(batch))
-    bar.close()
+class CheckpointLM(TemplateLM):
+    """A model of this project as the harness's LM; TemplateLM turns text requests into token ids with tok_encode."""
+
+    def __init__(self, model, enc, n_loop=0, batch_size=16, autocast=nullcontext()):
+        super().__init__()
+        model.eval()
+        model.lm_head = Float32Head(model.lm_head, enc.n_vocab)  # the tied weight stays shared with the embedding
+        self.model, self.enc, self.n_loop, self.batch_size, self.autocast = model, enc, n_loop or None, batch_size, \
+            autocast
+        self.block_size = model.config.block_size
+        self._device = next(model.parameters()).device
+
+    @property
+    def eot_token_id(self):
+        return self.enc.eot_token
+
+    def tok_encode(self, string, add_special_tokens=None, **kwargs):
+        return self.enc.encode_ordinary(string)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm=False):
+        """[(log P(continuation | context), greedy?)] for requests [(strings, context ids, continuation ids)]."""
+        rows, owner = [], []  # continuations cut into pieces of at most block_size tokens
+        for i, (_, context, continuation) in enumerate(requests):
+            for start in range(0, len(continuation), self.block_size):
+                rows.append((context + continuation[:start], continuation[start:start + self.block_size]))
+                owner.append(i)
+        # longest first: a batch holds rows of similar length (little padding), and the largest batch runs first,
+        # so that running out of memory shows at once
+        order = sorted(range(len(rows)), key=lambda r: -min(len(rows[r][0]) + len(rows[r][1]), self.block_size))
+        totals = [[0.0, True] for _ in requests]
+        for start in tqdm(range(0, len(order), self.batch_size), disable=disable_tqdm, unit="batch",
+                          desc="loglikelihood", file=sys.stderr):
+            batch = order[start:start + self.batch_size]
+            for r, (logprob, greedy) in zip(batch, score(self.model, [rows[r] for r in batch], self.n_loop,
+                                                         self.autocast)):
+                totals[owner[r]][0] += logprob
+                totals[owner[r]][1] &= greedy
+        return [tuple(total) for total in totals]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm=False):
+        requests = [(args, [self.eot_token_id], self.tok_encode(args[0])) for args in (r.args for r in requests)]
+        return [logprob for logprob, _ in self._loglikelihood_tokens(requests, disable_tqdm)]
+
+    @torch.no_grad()
+    def generate_until(self, requests, disable_tqdm=False):
+        outputs = []
+        for request in tqdm(requests, disable=disable_tqdm, desc="generate_until", file=sys.stderr):
+            context, gen_kwargs = request.args
+            gen_kwargs = normalize_gen_kwargs(gen_kwargs)
+            until = [s for s in gen_kwargs["until"] if s]
+            sampled = gen_kwargs["do_sample"] and gen_kwargs["temperature"] > 0
+            ids = self.tok_encode(context)[-self.block_size:] or [self.eot_token_id]
+            idx = torch.tensor([ids], device=self.device)
+            new, text = [], ""
+            with self.autocast:
+                # top_k=1 is greedy decoding: the most likely token is the only candidate
+                for token in self.model.generate_stream(idx, gen_kwargs["max_gen_toks"],
+                                                        temperature=gen_kwargs["temperature"] if sampled else 1.0,
+                                                        top_k=None if sampled else 1, n_loop=self.n_loop):
+                    if token.item() == self.eot_token_id:
+                        break
+                    new.append(token.item())
+                    text = self.enc.decode(new)
+                    if any(stop in text for stop in until):
+                        break
+            outputs.append(min((text.split(stop)[0] for stop in until), key=len, default=text))
+        return outputs
+
+    def get_model_info(self):
+        """What the harness records in the results' "config"."""
+        cfg = self.model.config
+        loops = self.n_loop or cfg.n_loop
+        return dict(n_layer=cfg.n_layer, n_loop_trained=cfg.n_loop, n_loop=loops, unrolled_depth=cfg.n_layer * loops,
+                    residual=cfg.residual, block_size=cfg.block_size, tokenizer=self.enc.name)
 
 
-def choice_accuracy(model, examples, **kwargs):
-    """(acc, acc_norm) over examples ([(context ids, choice ids), ...], label)."""
-    correct = correct_norm = 0
-    for (_, label), scores in scored_examples(model, examples, **kwargs):
-        # max over indices returns the first best one, so ties go to the earlier choice
-        correct += max(range(len(scores)), key=lambda i: scores[i][0]) == label
-        correct_norm += max(range(len(scores)), key=lambda i: scores[i][0] / scores[i][1]) == label
-    return correct / len(examples), correct_norm / len(examples)
+def hub_reachable(timeout):
+    """Whether a TCP connection to the Hugging Face hub opens within timeout seconds (no request is sent). Read
+    from the environment, not from huggingface_hub, which must only be imported once the offline switch is set."""
+    if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return True
+    except (OSError, ValueError):  # no DNS, refused, timed out; ValueError: an endpoint without a host
+        return False
 
 
-def lambada_accuracy(model, examples, **kwargs):
-    """(acc, ppl) over examples ([(context ids, last word ids)], 0): a word is right when all its tokens are argmax."""
-    correct, nll = 0, 0.0
-    for _, [(logprob, _, greedy)] in scored_examples(model, examples, **kwargs):
-        correct += greedy
-        nll -= logprob
-    nll /= len(examples)
-    return correct / len(examples), math.exp(nll) if nll < 700 else math.inf  # math.exp overflows past ~709
+def hub_data_cached():
+    """Whether the local Hugging Face caches hold any hub dataset at all (offline, only those can load): downloads
+    sit in the hub cache as datasets--<owner>--<name>, prepared copies in the datasets cache as <owner>___<name>
+    (next to builders of local files such as json/)."""
+    from datasets import config
+    from huggingface_hub import constants
+    return any(os.path.isdir(folder) and any(name.startswith("datasets--") or "___" in name
+                                             for name in os.listdir(folder))
+               for folder in (constants.HF_HUB_CACHE, config.HF_DATASETS_CACHE))
 
 
-# The script proper. It sits under this `if` (unlike sample.py) so that the tests can import the functions above.
+def results_path(out_dir, task_names, num_fewshot, loops, iter_num, limit):
+    """A file name that differs whenever the settings or the checkpoint step differ."""
+    names = "+".join(re.sub(r"[^\w.-]", "_", os.path.basename(t).removesuffix(".yaml")) for t in task_names)
+    if len(names) > 120:  # keep within file-name limits
+        names = f"{len(task_names)}tasks-{hashlib.sha1(names.encode()).hexdigest()[:10]}"
+    return os.path.join(out_dir, f"eval_{names}_{num_fewshot}shot_loop{loops}_iter{iter_num}"
+                                 f"{f'_limit{limit}' if limit else ''}.json")
+
+
+# The script proper. It sits under this `if` (unlike sample.py) so that the tests can import the class above.
 if __name__ == "__main__":
     configure(globals(), sys.argv[1:])
     tune_malloc()  # before the first large allocation (common.tune_malloc)
-    if task not in TASKS:
-        die(f"unknown --task={task}; choose one of {', '.join(TASKS)}")
-    for name, value in (("limit", limit), ("n_loop", n_loop)):
+    for name, value in (("limit", limit), ("n_loop", n_loop), ("num_fewshot", num_fewshot)):
         if value < 0:
             die(f"--{name} must be >= 0, got {value}")
     if batch_size < 1:
         die(f"--batch_size must be >= 1, got {batch_size}")
-    if dtype not in ("auto", "float32", "bfloat16", "float16"):
-        die(f"unknown --dtype={dtype}; choose auto, float32, bfloat16 or float16")
-    dtype = choose_dtype(device, dtype)[0]
-    if not data and task not in URLS:
-        die(f"--task={task} needs --data=file.jsonl (one {{\"context\": str, \"choices\": [str, ...], "
-            f"\"label\": int}} per line)")
-
-    # read and check the data before the model: a bad line should not wait for a large checkpoint to load
-    path = data or download(URLS[task], os.path.join(cache_dir, os.path.basename(URLS[task])), download_timeout)
-    records = read_records(task, path, limit)
+    task_names = [t.strip() for t in tasks.split(",") if t.strip()]
+    if not task_names:
+        die("--tasks is empty; name at least one task, e.g. --tasks=hellaswag")
+    if include_path and not os.path.isdir(include_path):
+        die(f"--include_path={include_path} is not a folder; point it at a folder of task YAML files")
+    try:
+        dtype, dtype_reason = choose_dtype(device, dtype)
+    except ValueError as e:
+        die(str(e))
+    allow_tf32(device)
+    autocast = autocast_context(device, dtype)
 
     try:
         model, checkpoint = GPT.from_checkpoint(os.path.join(out_dir, "ckpt.pt"), device)
-    except (FileNotFoundError, ValueError) as e:
+    except (ValueError, FileNotFoundError) as e:
         die(str(e))
-    model.eval()
     try:
         enc = get_tokenizer(checkpoint["tokenizer"])
     except (ValueError, FileNotFoundError) as e:
         die(str(e))
-    if model.config.vocab_size < enc.n_vocab:
-        die(f"{out_dir}/ckpt.pt has vocab_size {model.config.vocab_size}, too small for the {enc.name} tokenizer "
-            f"({enc.n_vocab} tokens)")
-    examples = encode_records(records, enc, model.config.block_size)
 
-    autocast = autocast_context(device, dtype)
+    # Offline the harness's data loaders would retry the network; with the hub's offline switches (read when the
+    # libraries are imported, hence before importing the harness) they use the cache at once.
+    offline = not hub_reachable(hub_timeout)
+    if offline:
+        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    from lm_eval import __version__ as lm_eval_version
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import handle_non_serializable, make_table
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+
+    # Tasks from --include_path or YAML paths are found at once; the harness's own ~14,000 YAML files take seconds
+    # to index, so that is done only when a task needs it, and offline only when some hub data is cached at all.
+    task_manager = TaskManager(include_path=include_path or None, include_defaults=False)
+    hub_tasks = [t for t in task_names if t not in task_manager.all_tasks and not os.path.isfile(t)]
+    if hub_tasks:
+        if offline and not hub_data_cached():
+            die(f"no data for {', '.join(hub_tasks)}: the Hugging Face hub cannot be reached and no hub dataset is "
+                f"cached here{' (nor are they tasks of --include_path)' if include_path else ''}; run once with "
+                f"network access, or evaluate local task files with --include_path=folder")
+        task_manager = TaskManager(include_path=include_path or None)
+        unknown = [t for t in hub_tasks if t not in task_manager.all_tasks]
+        if unknown:
+            die(f"unknown task {', '.join(unknown)}: not a task, group or tag of lm-eval {lm_eval_version}"
+                f"{' or of --include_path' if include_path else ''}; list them with `lm-eval ls tasks`")
+    lm = CheckpointLM(model, enc, n_loop, batch_size, autocast)
     cfg = model.config
     loops = n_loop or cfg.n_loop
-    print(f"{out_dir}/ckpt.pt: {cfg.n_layer} blocks x {cfg.n_loop} loops trained, evaluating with {loops} loops "
+    try:
+        results = simple_evaluate(model=lm, tasks=task_names, num_fewshot=num_fewshot, batch_size=batch_size,
+                                  device=device, limit=limit or None, log_samples=False, random_seed=seed,
+                                  numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+                                  task_manager=task_manager)
+    except OSError as e:  # ConnectionError: offline, and this dataset is not cached; FileNotFoundError: data_files
+        die(f"cannot load the task data ({' '.join(str(e).split())}); "
+            f"{'run once with network access, or ' if offline else ''}check the task's dataset_path and data_files")
+    print(f"{out_dir}/ckpt.pt: {cfg.n_layer} blocks x {cfg.n_loop} loops trained, evaluated with {loops} loops "
           f"(unrolled depth {cfg.n_layer * loops}), tokenizer {enc.name}, iter {checkpoint.get('iter_num')}; "
-          f"{task}: {len(examples)} examples from {path}", file=sys.stderr)
-
-    kwargs = dict(batch_size=batch_size, progress=True, n_loop=loops, n_vocab=enc.n_vocab, autocast=autocast)
-    if task == "lambada":
-        acc, ppl = lambada_accuracy(model, examples, **kwargs)
-        print(f"{task} acc={acc:.4f} ppl={ppl:.2f} n={len(examples)} n_loop={loops}")
-    else:
-        acc, acc_norm = choice_accuracy(model, examples, **kwargs)
-        print(f"{task} acc={acc:.4f} acc_norm={acc_norm:.4f} n={len(examples)} n_loop={loops}")
+          f"lm-eval {lm_eval_version}{' offline' if offline else ''}, {num_fewshot}-shot, {dtype} ({dtype_reason})", file=sys.stderr)
+    results["config"].update(model_args=dict(out_dir=out_dir, iter_num=checkpoint.get("iter_num"), dtype=dtype))
+    print(make_table(results))
+    if results.get("groups"):
+        print(make_table(results, "groups"))
+    path = results_path(out_dir, task_names, num_fewshot, loops, checkpoint.get("iter_num"), limit)
+    with open(path + ".tmp", "w") as f:  # write aside, then rename: an interrupted write never looks finished
+        json.dump(results, f, indent=2, default=handle_non_serializable, ensure_ascii=False)
+    os.replace(path + ".tmp", path)
+    print(f"results written to {path}", file=sys.stderr)

@@ -1,14 +1,18 @@
+"""eval_downstream.py: CheckpointLM's answers against the model's own log-probabilities computed here by hand, and the
+script end to end through lm-evaluation-harness on local task files (no network, no downloads)."""
+
 import json
-import math
 import os
 import runpy
 import subprocess
 import sys
 from dataclasses import asdict
-from types import SimpleNamespace
 
 import pytest
 import torch
+from lm_eval.api.instance import Instance
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from torch.nn import functional as F
 
 import eval_downstream as ed
 from model import GPT, GPTConfig
@@ -16,50 +20,52 @@ from dataset import get_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "eval_downstream.py")
+DEMO = os.path.join(ROOT, "docs", "eval_demo")
 ENC = get_tokenizer("bytes")
 SENTENCE = "a quick brown fox jumps over lazy dogs."  # what the trained fixture model knows by heart
 
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    # these models are tiny: on 2 busy shared cores a second intra-op thread only adds contention (10x slower)
+    # these models are tiny: on 2 busy shared cores a second intra-op thread only adds contention
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
 
 
+@pytest.fixture(autouse=True)
+def hf_cache(tmp_path, monkeypatch):
+    """The datasets library's cache (where it keeps its copy of a local jsonl) in a tmp dir, not in ~/.cache."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
+    from datasets import config
+    monkeypatch.setattr(config, "HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
+
+
 def tokens(text):
     return ENC.encode_ordinary(text)
 
 
-def write_jsonl(path, rows):
-    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
-    return str(path)
-
-
-def save_checkpoint(model, out_dir, optimizer=None):
-    """A checkpoint in the INTERFACES.md format, as train.py writes it."""
+def save_checkpoint(model, out_dir):
+    """A checkpoint in train.py's format."""
     os.makedirs(out_dir, exist_ok=True)
-    torch.save(dict(model=model.state_dict(), model_args=asdict(model.config), tokenizer="bytes",
-                    optimizer=optimizer.state_dict() if optimizer else {}, scaler=None, iter_num=100,
-                    best_val_loss=0.0, config=dict(out_dir=str(out_dir)), rng=dict(torch=torch.get_rng_state()),
+    torch.save(dict(model=model.state_dict(), model_args=asdict(model.config), tokenizer="bytes", optimizer={},
+                    scaler=None, iter_num=300, best_val_loss=0.0, config=dict(out_dir=str(out_dir)), rng=None,
                     program="deeploop-train"), os.path.join(out_dir, "ckpt.pt"))
     return str(out_dir)
 
 
-def random_gpt(block_size=32, **kw):
+def random_gpt(block_size=16):
     torch.manual_seed(0)
-    args = dict(block_size=block_size, vocab_size=320, n_layer=2, n_loop=2, n_head=2, n_embd=32, dropout=0.0)
-    return GPT(GPTConfig(**{**args, **kw})).eval()
+    return GPT(GPTConfig(block_size=block_size, vocab_size=320, n_layer=2, n_loop=2, n_head=2, n_embd=32)).eval()
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A looped GPT (1 block x 2 loops, padded vocab 320) trained until it has SENTENCE by heart, saved as a
-    checkpoint: under it the sentence's own ending is the most likely one, for real and not by construction."""
+    """A looped GPT (1 block x 2 loops, bytes, block_size 64) trained until it has SENTENCE by heart, saved as a
+    checkpoint -> (out_dir, model)."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=48, vocab_size=320, n_layer=1, n_loop=2, n_head=2, n_embd=32, dropout=0.0))
+    model = GPT(GPTConfig(block_size=64, vocab_size=320, n_layer=1, n_loop=2, n_head=2, n_embd=32))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     ids = torch.tensor(tokens(SENTENCE))[None]
     for _ in range(300):
@@ -70,30 +76,34 @@ def trained(tmp_path_factory):
         if loss.item() < 0.01:
             break
     assert loss.item() < 0.01, "the fixture model did not learn its sentence"
-    return save_checkpoint(model.eval(), tmp_path_factory.mktemp("trained"), optimizer), model
+    return save_checkpoint(model.eval(), tmp_path_factory.mktemp("trained")), model
 
 
-class Bigram(torch.nn.Module):
-    """A stand-in model with the GPT call signature whose next-token distribution depends only on the current
-    token and is given exactly: probs[prev][next] = p, the rest of each row spread evenly over the other ids."""
+def by_hand(model, ids, n, n_loop=None):
+    """Sum of log P(ids[-n:]) over the model's real tokens, from one plain float32 forward pass over all of ids."""
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([ids[:-1]]), n_loop=n_loop)
+    logprobs = F.log_softmax(logits[0, :, :ENC.n_vocab].double(), dim=-1)
+    return sum(logprobs[p - 1, ids[p]].item() for p in range(len(ids) - n, len(ids)))
 
-    def __init__(self, probs, vocab=ENC.n_vocab, block_size=64):
-        super().__init__()
-        self.config = SimpleNamespace(block_size=block_size)
-        table = torch.full((vocab, vocab), 1.0 / vocab, dtype=torch.float64)
-        for prev, row in probs.items():
-            table[prev] = (1 - sum(row.values())) / (vocab - len(row))
-            for nxt, p in row.items():
-                table[prev, nxt] = p
-        self.logprobs = torch.nn.Parameter(table.log(), requires_grad=False)
 
-    def forward(self, idx, targets=None, n_loop=None):
-        return self.logprobs[idx], None
+def requests(kind, *args_list):
+    return [Instance(kind, {}, args, i) for i, args in enumerate(args_list)]
+
+
+def lm_for(model, **kwargs):
+    """A CheckpointLM over a copy of model (CheckpointLM swaps the output layer of the model it is given)."""
+    copy = GPT(model.config)
+    copy.load_state_dict(model.state_dict())
+    return ed.CheckpointLM(copy, ENC, **kwargs)
 
 
 def run_script(argv, monkeypatch, capsys):
-    """Run eval_downstream.py in this process (no second torch import) -> (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", [SCRIPT, *argv])
+    """Run eval_downstream.py in this process (torch and the harness are imported once) -> (exit code, out, err).
+    Offline the script sets the hub's offline switches in os.environ: monkeypatch puts them back afterwards."""
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(name, os.environ.get(name, "0"))
+    monkeypatch.setattr(sys, "argv", [SCRIPT, "--device=cpu", "--dtype=float32", *argv])
     code = 0
     try:
         runpy.run_path(SCRIPT, run_name="__main__")
@@ -104,191 +114,207 @@ def run_script(argv, monkeypatch, capsys):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# the scorer
+# CheckpointLM
 
 
-def test_acc_and_acc_norm_differ_on_a_constructed_case():
-    # " x" is 1 token with log-prob -1; " yyy" is 3 tokens: -1.5 for the first, then 0.99 twice. The sum prefers x
-    # (-1 > -1.52), the per-token mean prefers yyy (-0.51 > -1). The joining space counts as context.
-    space, x, y = tokens(" xy")
-    model = Bigram({space: {x: math.exp(-1.0), y: math.exp(-1.5)}, y: {y: 0.99}})
-    records = [("t", "Q", ["x", "yyy"], label) for label in (0, 1, 1)]
-    examples = ed.encode_records(records, ENC, block_size=64)
-    assert examples[0] == ([(tokens("Q "), [x]), (tokens("Q "), [y, y, y])], 0)
-    scores = ed.score(model, examples[0][0])
-    assert scores[0] == (pytest.approx(-1.0), 1, True)  # x is also the argmax after " "
-    assert scores[1][:2] == (pytest.approx(-1.5 + 2 * math.log(0.99)), 3)
-    acc, acc_norm = ed.choice_accuracy(model, examples, batch_size=2)
-    assert (acc, acc_norm) == (pytest.approx(1 / 3), pytest.approx(2 / 3))
+def test_loglikelihood_is_the_models_and_greedy_means_every_token_is_the_argmax(trained):
+    _, model = trained
+    lm = lm_for(model)
+    context = "a quick brown fox jumps over lazy"
+    [(right, right_greedy), (wrong, wrong_greedy)] = lm.loglikelihood(requests(
+        "loglikelihood", (context, " dogs."), (context, " dogz.")))
+    assert right == pytest.approx(by_hand(model, tokens(SENTENCE), len(" dogs.")), abs=1e-4)
+    assert wrong == pytest.approx(by_hand(model, tokens(SENTENCE.replace("dogs", "dogz")), len(" dogz.")), abs=1e-4)
+    assert right_greedy and not wrong_greedy and right > wrong
 
 
-def test_lambada_needs_every_token_of_the_last_word_greedy():
-    # the model's favourite after " " is "o", after "o" is "k", after "k" is "s" (z is only second best)
-    space, o, k, s, z = tokens(" oksz")
-    model = Bigram({space: {o: 0.9}, o: {k: 0.6}, k: {s: 0.5, z: 0.3}})
-    records = [ed.parse_lambada({"text": text}, "t") for text in ("the oks", "the okz", "the zks")]
-    assert records[0] == ("the ", ["oks"], 0)
-    examples = ed.encode_records([("t", *r) for r in records], ENC, block_size=64)
-    assert examples[0] == ([(tokens("the "), [o, k, s])], 0)  # a 3-token last word; the space joins the context
-    scores = [s for _, [s] in ed.scored_examples(model, examples)]
-    assert [greedy for _, _, greedy in scores] == [True, False, False]  # okz fails at its last token, zks at its first
-    assert scores[0][:2] == (pytest.approx(math.log(0.9 * 0.6 * 0.5)), 3)
-    acc, ppl = ed.lambada_accuracy(model, examples, batch_size=3)
-    assert acc == pytest.approx(1 / 3)
-    assert ppl == pytest.approx(math.exp(-sum(lp for lp, _, _ in scores) / 3))  # per word, not per token
-
-
-def test_padding_never_changes_a_score():
-    model = random_gpt()
-    rows = [(tokens("The cat"), tokens(" sat.")), (tokens("A much longer context here"), tokens(" and more")),
-            (tokens("x"), tokens(" a long ending, the longest"))]
-    alone = [ed.score(model, [row])[0] for row in rows]  # B=1: no padding at all
-    together = ed.score(model, rows)  # B=3: right-padded to the longest row
-    for (lp_a, n_a, g_a), (lp_t, n_t, g_t) in zip(alone, together):
-        assert lp_t == pytest.approx(lp_a, abs=1e-5) and (n_t, g_t) == (n_a, g_a)
-
-
-def test_batching_examples_gives_the_same_accuracy():
-    model = random_gpt()
-    records = [("t", f"Context {i}" * (i + 1), ["one", "two two", "three three three"], i % 3) for i in range(5)]
-    examples = ed.encode_records(records, ENC, model.config.block_size)
-    one = [lp for _, s in ed.scored_examples(model, examples, batch_size=1) for lp, _, _ in s]
-    many = [lp for _, s in ed.scored_examples(model, examples, batch_size=4) for lp, _, _ in s]  # 12 rows + 3 rows
-    assert len(many) == 15 and many == pytest.approx(one, abs=1e-5)
-    assert ed.choice_accuracy(model, examples, batch_size=4) == ed.choice_accuracy(model, examples, batch_size=1)
-
-
-def test_long_contexts_are_cut_from_the_left():
+def test_a_batch_gives_the_one_by_one_values():
     model = random_gpt(block_size=16)
-    ctx, cont = tokens("a context far longer than the sixteen token window"), tokens(" end.")
-    assert len(ctx) + len(cont) > 17
-    [(lp, n, _)] = ed.score(model, [(ctx, cont)])  # would raise inside the model if not cut
-    keep = 16 + 1 - len(cont)  # the model reads 16 tokens; the last continuation token is only a target
-    assert n == len(cont) and lp == pytest.approx(ed.score(model, [(ctx[-keep:], cont)])[0][0], abs=1e-5)
-    assert lp != pytest.approx(ed.score(model, [(ctx[-keep + 1:], cont)])[0][0], abs=1e-5)  # as much as fits
-    # cut inside a padded batch too
-    assert ed.score(model, [(tokens("hi"), tokens(" x")), (ctx, cont)])[1][0] == pytest.approx(lp, abs=1e-5)
+    pairs = [("The cat", " sat."), ("A much longer context, longer than the window", " and more"), ("", "x"),
+             ("x", " a long ending, longer than sixteen bytes"), ("hi", " there"), ("Q: 2+2?\nA:", " 4")]
+    one = [lm_for(model, batch_size=1).loglikelihood(requests("loglikelihood", pair))[0] for pair in pairs]
+    together = lm_for(model, batch_size=4).loglikelihood(requests("loglikelihood", *pairs))  # padded batches
+    assert [greedy for _, greedy in together] == [greedy for _, greedy in one]
+    assert [lp for lp, _ in together] == pytest.approx([lp for lp, _ in one], abs=1e-5)
 
 
-def test_a_choice_longer_than_block_size_is_a_one_line_error(capsys):
-    with pytest.raises(SystemExit) as e:
-        ed.encode_records([("f.jsonl:3", "ctx", ["short", "x" * 20], 0)], ENC, block_size=16)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: f.jsonl:3: a choice is 20 tokens long") and err.count("\n") == 1
+def test_a_long_context_is_cut_from_the_left_and_the_continuation_scored_whole():
+    model = random_gpt(block_size=16)
+    ctx, cont = "a context far longer than the sixteen token window", " end."
+    [(lp, _)] = lm_for(model).loglikelihood(requests("loglikelihood", (ctx, cont)))
+    ids = tokens(ctx + cont)
+    assert lp == pytest.approx(by_hand(model, ids[-17:], len(cont)), abs=1e-5)  # reads 16 tokens, the last one a target
+    assert lp != pytest.approx(by_hand(model, ids[-16:], len(cont)), abs=1e-5)  # and as many as fit
 
 
-def test_empty_context_starts_at_the_document_separator():
-    assert ed.encode_pair(ENC, "", "word") == ([ENC.eot_token, *tokens(" ")], tokens("word"))
-    assert ed.parse_lambada({"text": "single"}, "t") == ("", ["single"], 0)
+def test_rolling_loglikelihood_is_the_sum_over_the_harness_windows():
+    model = random_gpt(block_size=16)
+    text = "Every token of a text longer than the window is predicted once, from its own window."
+    ids = tokens(text)
+    assert len(ids) > 3 * 16
+    windows = [make_disjoint_window(w) for w in get_rolling_token_windows(ids, ENC.eot_token, 16, 1)]
+    expected = sum(by_hand(model, ctx + pred, len(pred)) for ctx, pred in windows)
+    lm = lm_for(model, batch_size=3)
+    assert lm.loglikelihood_rolling(requests("loglikelihood_rolling", (text,))) == [pytest.approx(expected, abs=1e-4)]
+    # a continuation longer than the window is scored in the same pieces
+    assert lm.loglikelihood(requests("loglikelihood", ("", text)))[0][0] == pytest.approx(expected, abs=1e-4)
 
 
-def test_n_loop_reaches_the_model():
+def test_generate_until_stops_at_the_stop_string_or_the_token_limit(trained):
+    _, model = trained
+    lm = lm_for(model)
+    outputs = lm.generate_until(requests(
+        "generate_until", ("a quick brown", {"until": ["lazy"], "max_gen_toks": 64}),
+        ("a quick brown", {"until": ["zzz"], "max_gen_toks": 4}),
+        ("a quick brown", {"until": ["s", "ump"], "max_gen_toks": 64, "do_sample": False})))
+    assert outputs == [" fox jumps over ", " fox", " fox j"]  # cut at the earliest stop string
+
+
+def test_n_loop_changes_the_scores(trained):
+    _, model = trained
+    pair = ("a quick brown fox jumps over lazy", " dogs.")
+    trained_depth = lm_for(model).loglikelihood(requests("loglikelihood", pair))[0][0]
+    assert lm_for(model, n_loop=2).loglikelihood(requests("loglikelihood", pair))[0][0] == trained_depth
+    deeper = lm_for(model, n_loop=3).loglikelihood(requests("loglikelihood", pair))[0][0]
+    assert deeper == pytest.approx(by_hand(model, tokens(SENTENCE), len(pair[1]), n_loop=3), abs=1e-4)
+    assert deeper != pytest.approx(trained_depth, abs=1e-3)
+
+
+def test_scores_are_float32_under_bfloat16_autocast():
     model = random_gpt()
-    rows = [(tokens("some context"), tokens(" an ending"))]
-    assert ed.score(model, rows, n_loop=0) == ed.score(model, rows, n_loop=2)  # 0 means as built
-    assert ed.score(model, rows, n_loop=3)[0][0] != pytest.approx(ed.score(model, rows)[0][0], abs=1e-5)
+    lm = lm_for(model, autocast=torch.autocast("cpu", dtype=torch.bfloat16))
+    x = torch.randn(3, 32)
+    with lm.autocast:
+        logits = lm.model.lm_head(x)
+        rounded = model.lm_head(x)  # what the model's own output layer gives under autocast
+    assert logits.dtype == torch.float32 and rounded.dtype == torch.bfloat16
+    assert torch.equal(logits, x @ model.lm_head.weight[:ENC.n_vocab].T)  # no padded ids, no bfloat16 steps
 
 
 # --------------------------------------------------------------------------------------------------------------
 # the script
 
 
-def test_cli_end_to_end_on_a_trained_checkpoint(trained, tmp_path):
+def test_demo_task_accuracy_is_the_hand_computed_one(trained, monkeypatch, capsys):
+    """docs/eval_demo through the harness: acc and acc_norm equal what the model's log-likelihoods give by hand
+    (acc: the choice with the highest log-likelihood; acc_norm: the highest per character of the choice)."""
+    out_dir, model = trained
+    monkeypatch.chdir(ROOT)  # the demo's data_files path is relative to the repository root
+    code, out, err = run_script([f"--out_dir={out_dir}", f"--include_path={DEMO}", "--tasks=deeploop_demo"],
+                                monkeypatch, capsys)
+    assert code == 0, err
+    with open(os.path.join(DEMO, "deeploop_demo.jsonl")) as f:
+        docs = [json.loads(line) for line in f]
+    acc = acc_norm = 0
+    for doc in docs:
+        lls = [by_hand(model, tokens(doc["context"] + " " + c), len(" " + c)) for c in doc["choices"]]
+        acc += max(range(len(lls)), key=lambda i: lls[i]) == doc["label"]
+        acc_norm += max(range(len(lls)), key=lambda i: lls[i] / len(doc["choices"][i])) == doc["label"]
+    with open(os.path.join(out_dir, "eval_deeploop_demo_0shot_loop2_iter300.json")) as f:
+        results = json.load(f)
+    scores = results["results"]["deeploop_demo"]
+    assert (scores["acc,none"], scores["acc_norm,none"]) == (acc / len(docs), acc_norm / len(docs))
+    assert results["config"]["n_loop"] == 2 and results["n-samples"]["deeploop_demo"]["effective"] == len(docs)
+    table = out.splitlines()
+    assert table[0].split("|")[1].strip() == "Tasks" and table[2].startswith("|deeploop_demo|")  # the harness's table
+
+
+def test_other_settings_write_other_files(trained, tmp_path, monkeypatch, capsys):
     out_dir, _ = trained
-    data = write_jsonl(tmp_path / "hs.jsonl", [
-        {"ctx": "a quick brown fox jumps over lazy", "endings": ["cats.", "dogs.", "frogs.", "birds."], "label": 1},
-        {"ctx": "a quick brown", "endings": ["cow sleeps", "fox jumps", "fox sleeps", "dog jumps"], "label": "1"},
-    ])
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, SCRIPT, f"--out_dir={out_dir}", "--task=hellaswag", f"--data={data}",
-                             "--device=cpu", "--dtype=float32"], capture_output=True, text=True, cwd=ROOT, env=env)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-1] == "hellaswag acc=1.0000 acc_norm=1.0000 n=2 n_loop=2"
+    (tmp_path / "mc.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in [
+        {"q": "a quick brown fox jumps over lazy", "choices": ["cats.", "dogs."], "label": 1},
+        {"q": "a quick brown", "choices": ["fox jumps", "cow sleeps"], "label": 1},  # the model prefers "fox"
+        {"q": "a quick", "choices": ["brown fox", "red hen"], "label": 0},
+    ]))
+    (tmp_path / "mc.yaml").write_text(f"task: mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: "
+                                      f"{tmp_path / 'mc.jsonl'}\noutput_type: multiple_choice\ntest_split: test\n"
+                                      f"doc_to_text: '{{{{q}}}}'\ndoc_to_choice: '{{{{choices}}}}'\n"
+                                      f"doc_to_target: label\nmetric_list:\n  - metric: acc\n")
+    before = set(os.listdir(out_dir))
+    for argv in ([], ["--n_loop=3"], ["--num_fewshot=1", "--limit=2"]):
+        code, _, err = run_script([f"--out_dir={out_dir}", f"--tasks={tmp_path / 'mc.yaml'}", *argv],
+                                  monkeypatch, capsys)
+        assert code == 0, err
+    written = set(os.listdir(out_dir)) - before
+    assert written == {"eval_mc_0shot_loop2_iter300.json", "eval_mc_0shot_loop3_iter300.json",
+                       "eval_mc_1shot_loop2_iter300_limit2.json"}
+    results = {name: json.load(open(os.path.join(out_dir, name))) for name in written}
+    assert results["eval_mc_0shot_loop2_iter300.json"]["results"]["mc"]["acc,none"] == pytest.approx(2 / 3)
+    assert results["eval_mc_0shot_loop3_iter300.json"]["config"]["unrolled_depth"] == 3
+    assert results["eval_mc_1shot_loop2_iter300_limit2.json"]["n-shot"]["mc"] == 1
 
 
-def test_lambada_and_multiple_choice_on_a_trained_checkpoint(trained, tmp_path, monkeypatch, capsys):
+def one_line_error(code, out, err):
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def test_missing_checkpoint_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    line = one_line_error(*run_script([f"--out_dir={tmp_path / 'nothing'}"], monkeypatch, capsys))
+    assert line.startswith(f"error: no checkpoint at {tmp_path / 'nothing' / 'ckpt.pt'}")
+
+
+def test_offline_without_task_data_is_one_line_and_writes_nothing(trained, monkeypatch, capsys):
     out_dir, _ = trained
-    lambada = write_jsonl(tmp_path / "lambada.jsonl", [
-        {"text": "a quick brown fox jumps over lazy dogs"},  # every token of "dogs" is the model's argmax
-        {"text": "a quick brown fox jumps over lazy cats"},  # wrong from its first token
-        {"text": "a quick brown fox jumps over lazy dogz"},  # "dog" right, "z" wrong: the whole word counts
-        "",  # blank lines are skipped
-    ])
-    code, out, _ = run_script([f"--out_dir={out_dir}", "--task=lambada", f"--data={lambada}", "--device=cpu",
-                               "--batch_size=2"], monkeypatch, capsys)
-    assert code == 0
-    assert out.splitlines()[-1].startswith("lambada acc=0.3333 ppl=")
-    assert out.splitlines()[-1].endswith(" n=3 n_loop=2")
-    mc = write_jsonl(tmp_path / "mc.jsonl", [
-        {"context": "a quick brown fox", "choices": ["sleeps", "jumps over lazy dogs.", "runs"], "label": 1},
-        {"context": "a quick brown fox jumps over lazy", "choices": ["cats.", "dogs."], "label": 0},
-    ])
-    code, out, _ = run_script([f"--out_dir={out_dir}", "--task=multiple_choice", f"--data={mc}", "--device=cpu",
-                               "--n_loop=2", "--limit=2"], monkeypatch, capsys)
-    assert code == 0 and out.splitlines()[-1] == "multiple_choice acc=0.5000 acc_norm=0.5000 n=2 n_loop=2"
-    code, out, _ = run_script([f"--out_dir={out_dir}", "--task=multiple_choice", f"--data={mc}", "--device=cpu",
-                               "--n_loop=3", "--limit=1"], monkeypatch, capsys)
-    assert code == 0 and out.splitlines()[-1].endswith(" n=1 n_loop=3")  # test-time depth, first example only
+    before = sorted(os.listdir(out_dir))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as on a machine without network, whatever this one has
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", os.path.join(out_dir, "no hub cache"))
+    line = one_line_error(*run_script([f"--out_dir={out_dir}", "--tasks=hellaswag,no_such_task"], monkeypatch,
+                                      capsys))
+    assert line == ("error: no data for hellaswag, no_such_task: the Hugging Face hub cannot be reached and no hub "
+                    "dataset is cached here; run once with network access, or evaluate local task files with "
+                    "--include_path=folder")
+    assert sorted(os.listdir(out_dir)) == before
 
 
-def test_malformed_line_is_a_one_line_error_naming_file_and_line(tmp_path):
-    data = write_jsonl(tmp_path / "bad.jsonl", [
-        {"ctx": "fine", "endings": ["a", "b", "c", "d"], "label": 0},
-        '{"ctx": "broken", "endings": ["a", "b"',
-    ])
-    result = subprocess.run([sys.executable, SCRIPT, "--out_dir=nowhere", "--task=hellaswag", f"--data={data}"],
-                            capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 2
-    assert result.stderr.startswith(f"error: {data}:2: not valid JSON") and result.stderr.count("\n") == 1
+def absent_task(folder):
+    """A task YAML over a hub dataset that is not there."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "absent.yaml")
+    with open(path, "w") as f:
+        f.write("task: absent\ndataset_path: someone/absent_dataset\noutput_type: multiple_choice\n"
+                "test_split: test\ndoc_to_text: q\ndoc_to_choice: c\ndoc_to_target: 0\n")
+    return path
 
 
-@pytest.mark.parametrize("task,line,message", [
-    ("hellaswag", {"ctx": "c", "label": 0}, "missing field endings"),
-    ("hellaswag", {"ctx": "c", "endings": ["a", "b"], "label": 2}, '"label" must be an index into "endings" (0..1)'),
-    ("hellaswag", {"ctx": "c", "endings": ["a", "b"], "label": True}, '"label" must be an index'),
-    ("hellaswag", {"ctx": 3, "endings": ["a", "b"], "label": 0}, '"ctx" must be a string'),
-    ("multiple_choice", {"context": "c", "choices": ["a"], "label": 0}, '"choices" must be a list of at least 2'),
-    ("multiple_choice", {"context": "c", "choices": ["a", " "], "label": 0}, "non-empty strings"),
-    ("multiple_choice", [1, 2], "expected a JSON object, got list"),
-    ("lambada", {"txt": "a b"}, 'expected a non-empty string field "text"'),
-])
-def test_bad_fields_are_one_line_errors(task, line, message, tmp_path, monkeypatch, capsys):
-    data = write_jsonl(tmp_path / "bad.jsonl", ["", line])
-    code, _, err = run_script([f"--task={task}", f"--data={data}"], monkeypatch, capsys)
-    assert code == 2 and err.startswith(f"error: {data}:2: ") and err.count("\n") == 1
-    assert message in err
+def test_unknown_task_is_a_one_line_error(trained, tmp_path, monkeypatch, capsys):
+    out_dir, _ = trained
+    import lm_eval.tasks
+    from huggingface_hub import constants
+    # some hub data in the cache, so that the script looks the names up in the harness's index; here the index is
+    # built from --include_path alone (the harness's own 14,000 task files take many seconds), the lookup is the same
+    os.makedirs(tmp_path / "hub" / "datasets--someone--something")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    harness_task_manager = lm_eval.tasks.TaskManager
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda include_path=None, include_defaults=True:
+                        harness_task_manager(include_path=include_path, include_defaults=False))
+    absent_task(tmp_path / "tasks")
+    line = one_line_error(*run_script([f"--out_dir={out_dir}", f"--include_path={tmp_path / 'tasks'}",
+                                       "--tasks=absent,no_such_task"], monkeypatch, capsys))
+    assert line.startswith("error: unknown task no_such_task: not a task, group or tag of lm-eval ")
+    assert line.endswith(" or of --include_path; list them with `lm-eval ls tasks`")
 
 
-def test_a_line_that_is_not_utf8_is_a_one_line_error(tmp_path, monkeypatch, capsys):
-    path = tmp_path / "latin1.jsonl"
-    path.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9 au lait"}\n')
-    code, _, err = run_script(["--task=lambada", f"--data={path}"], monkeypatch, capsys)
-    assert code == 2 and err.startswith(f"error: {path}:2: not valid JSON (") and err.count("\n") == 1
+def test_task_data_that_cannot_load_offline_is_a_one_line_error(trained, tmp_path):
+    # a fresh process: the hub's offline switches work only when set before the libraries are imported
+    out_dir, _ = trained
+    before = sorted(os.listdir(out_dir))
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "hf"))
+    result = subprocess.run([sys.executable, SCRIPT, f"--out_dir={out_dir}", f"--tasks={absent_task(tmp_path)}",
+                             "--device=cpu"], capture_output=True, text=True, env=env, timeout=120)
+    line = one_line_error(result.returncode, result.stdout, result.stderr)
+    assert line.startswith("error: cannot load the task data (") and "someone/absent_dataset" in line
+    assert line.endswith("; run once with network access, or check the task's dataset_path and data_files")
+    assert sorted(os.listdir(out_dir)) == before
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--task=piqa"], "unknown --task=piqa; choose one of hellaswag, lambada, multiple_choice"),
-    (["--task=multiple_choice"], "--task=multiple_choice needs --data=file.jsonl"),
-    (["--data=missing.jsonl"], "no data file at missing.jsonl"),
+    (["--tasks= ,"], "--tasks is empty"),
     (["--batch_size=0"], "--batch_size must be >= 1"),
+    (["--num_fewshot=-1"], "--num_fewshot must be >= 0"),
+    (["--include_path=no/such/folder"], "--include_path=no/such/folder is not a folder"),
 ])
 def test_bad_settings_are_one_line_errors(argv, message, monkeypatch, capsys):
-    code, _, err = run_script(argv, monkeypatch, capsys)
-    assert code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1
-
-
-def test_download_fails_fast_offline_and_uses_the_cache(trained, tmp_path, monkeypatch, capsys):
-    path = tmp_path / "hellaswag_val.jsonl"
-    with pytest.raises(SystemExit) as e:  # port 9 on this machine: the connection is refused at once
-        ed.download("http://127.0.0.1:9/hellaswag_val.jsonl", str(path), timeout=2.0)
-    err = capsys.readouterr().err.splitlines()
-    assert e.value.code == 2 and len(err) == 2  # "downloading ..." and the error
-    assert err[1].startswith("error: could not download http://127.0.0.1:9/hellaswag_val.jsonl (")
-    assert "--data=path/to/file.jsonl" in err[1] and not os.listdir(tmp_path)
-    # a file already in the cache is used as it is, with no network at all
-    monkeypatch.setattr(ed.urllib.request, "urlopen", None)
-    write_jsonl(path, [{"ctx": "a quick brown fox", "endings": ["jumps", "sleeps"], "label": 0}])
-    code, out, _ = run_script([f"--out_dir={trained[0]}", "--task=hellaswag", f"--cache_dir={tmp_path}",
-                               "--device=cpu"], monkeypatch, capsys)
-    assert code == 0 and out.splitlines()[-1] == "hellaswag acc=1.0000 acc_norm=1.0000 n=1 n_loop=2"
+    assert one_line_error(*run_script(argv, monkeypatch, capsys)).startswith(f"error: {message}")
