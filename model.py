@@ -26,12 +26,15 @@ from configurator import die
 RESIDUALS = ("deeploop", "deepnorm", "postln", "preln")
 
 
-def residual_coefficients(residual, unrolled_depth):
+def residual_coefficients(residual, unrolled_depth, exponent=0.0):
     """Return (alpha, beta) for a residual scheme at unrolled depth N = n_layer * n_loop.
 
-        deeploop: alpha = (2N)^(1/2),  beta = (8N)^(-1/2)
-        deepnorm: alpha = (2N)^(1/4),  beta = (8N)^(-1/4)
+        deeploop: alpha = (2N)^p,  beta = (8N)^(-p),  p = 1/2
+        deepnorm: alpha = (2N)^p,  beta = (8N)^(-p),  p = 1/4
         postln, preln: alpha = beta = 1
+
+    A nonzero `exponent` replaces p for the two Post-LN schemes (the paper's Appendix C sweeps p from 0.30 to 0.60);
+    0 means the scheme's own p.
 
     Why DeepLoop raises DeepNorm's exponent from 1/4 to 1/2: DeepNorm bounds how far one optimizer step moves the
     output of an untied network, where each of the N residual branches gets and applies its own update. In a looped
@@ -41,13 +44,17 @@ def residual_coefficients(residual, unrolled_depth):
     like N^(1/2). With n_loop = 1 nothing is revisited and the rule is still a valid (more conservative) DeepNorm.
     """
     N = unrolled_depth
-    if residual == "deeploop":
-        return (2 * N) ** 0.5, (8 * N) ** -0.5
-    if residual == "deepnorm":
-        return (2 * N) ** 0.25, (8 * N) ** -0.25
+    if residual not in RESIDUALS:
+        raise ValueError(f"unknown residual scheme {residual!r}; choose one of {', '.join(RESIDUALS)}")
+    if exponent < 0:
+        raise ValueError(f"residual_exponent must be >= 0 (0 = the scheme's own), got {exponent}")
     if residual in ("postln", "preln"):
+        if exponent:
+            raise ValueError(f"residual_exponent={exponent} only applies to deeploop and deepnorm, not {residual}; "
+                             f"leave it at 0 or use --residual=deeploop")
         return 1.0, 1.0
-    raise ValueError(f"unknown residual scheme {residual!r}; choose one of {', '.join(RESIDUALS)}")
+    p = exponent or (0.5 if residual == "deeploop" else 0.25)
+    return (2 * N) ** p, (8 * N) ** -p
 
 
 @dataclass
@@ -61,6 +68,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     residual: str = "deeploop"
+    residual_exponent: float = 0.0  # p of alpha = (2N)^p, beta = (8N)^-p; 0 = the scheme's own (1/2 or 1/4)
 
     def __post_init__(self):
         if self.residual not in RESIDUALS:
@@ -69,6 +77,7 @@ class GPTConfig:
             raise ValueError(f"n_layer and n_loop must be >= 1, got n_layer={self.n_layer} n_loop={self.n_loop}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        residual_coefficients(self.residual, self.unrolled_depth, self.residual_exponent)  # raises on a bad exponent
 
     @property
     def unrolled_depth(self):
@@ -146,7 +155,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         N = config.unrolled_depth
-        self.alpha, self.beta = residual_coefficients(config.residual, N)
+        self.alpha, self.beta = residual_coefficients(config.residual, N, config.residual_exponent)
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),

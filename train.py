@@ -56,6 +56,7 @@ n_embd = 768
 dropout = 0.0
 bias = True
 residual = "deeploop"    # deeploop | deepnorm | postln | preln
+residual_exponent = 0.0  # p of alpha = (2N)^p, beta = (8N)^-p for deeploop/deepnorm; 0 = the scheme's own
 # AdamW; weight decay applies to matrices only (model.configure_optimizers)
 learning_rate = 6e-4
 max_iters = 600000
@@ -130,7 +131,8 @@ def to_device(batch):
 
 # model and optimizer
 model_args = dict(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_loop=n_loop, n_head=n_head,
-                  n_embd=n_embd, dropout=dropout, bias=bias, residual=residual)
+                  n_embd=n_embd, dropout=dropout, bias=bias, residual=residual,
+                  residual_exponent=residual_exponent)
 try:
     gpt_config = GPTConfig(**model_args)
 except ValueError as e:
