@@ -24,6 +24,7 @@ from torch.func import functional_call
 from configurator import die
 
 RESIDUALS = ("deeploop", "deepnorm", "postln", "preln")
+OWN_EXPONENT = {"deeploop": 0.5, "deepnorm": 0.25}  # each Post-LN scheme's p when residual_exponent is 0
 
 
 def residual_coefficients(residual, unrolled_depth, exponent=0.0):
@@ -53,7 +54,7 @@ def residual_coefficients(residual, unrolled_depth, exponent=0.0):
             raise ValueError(f"residual_exponent={exponent} only applies to deeploop and deepnorm, not {residual}; "
                              f"leave it at 0 or use --residual=deeploop")
         return 1.0, 1.0
-    p = exponent or (0.5 if residual == "deeploop" else 0.25)
+    p = exponent or OWN_EXPONENT[residual]
     return (2 * N) ** p, (8 * N) ** -p
 
 
