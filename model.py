@@ -20,16 +20,20 @@ from torch.nn import functional as F
 from torch.func import functional_call
 
 RESIDUALS = ("deeploop", "deepnorm", "postln", "preln")
+OWN_EXPONENT = {"deeploop": 0.5, "deepnorm": 0.25}  # each Post-LN scheme's p when residual_exponent is 0
 NORMS = ("layernorm", "rmsnorm")
 POSITION_ENCODINGS = ("learned", "rope")
 
 
-def residual_coefficients(residual, unrolled_depth):
+def residual_coefficients(residual, unrolled_depth, exponent=0.0):
     """Return (alpha, beta) for a residual scheme at unrolled depth N = n_layer * n_loop.
 
-        deeploop: alpha = (2N)^(1/2),  beta = (8N)^(-1/2)
-        deepnorm: alpha = (2N)^(1/4),  beta = (8N)^(-1/4)
+        deeploop: alpha = (2N)^p,  beta = (8N)^(-p),  p = 1/2
+        deepnorm: alpha = (2N)^p,  beta = (8N)^(-p),  p = 1/4
         postln, preln: alpha = beta = 1
+
+    A nonzero `exponent` replaces p for the two Post-LN schemes (the paper's Appendix C sweeps p from 0.30 to 0.60);
+    0 means the scheme's own p.
 
     Why DeepLoop raises DeepNorm's exponent from 1/4 to 1/2: DeepNorm bounds how far one optimizer step moves the
     output of an untied network, where each of the N residual branches gets and applies its own update. In a looped
@@ -39,13 +43,17 @@ def residual_coefficients(residual, unrolled_depth):
     like N^(1/2). With n_loop = 1 nothing is revisited and the rule is still a valid (more conservative) DeepNorm.
     """
     N = unrolled_depth
-    if residual == "deeploop":
-        return (2 * N) ** 0.5, (8 * N) ** -0.5
-    if residual == "deepnorm":
-        return (2 * N) ** 0.25, (8 * N) ** -0.25
+    if residual not in RESIDUALS:
+        raise ValueError(f"unknown residual scheme {residual!r}; choose one of {', '.join(RESIDUALS)}")
+    if exponent < 0:
+        raise ValueError(f"residual_exponent must be >= 0 (0 = the scheme's own), got {exponent}")
     if residual in ("postln", "preln"):
+        if exponent:
+            raise ValueError(f"residual_exponent={exponent} only applies to deeploop and deepnorm, not {residual}; "
+                             f"leave it at 0 or use --residual=deeploop")
         return 1.0, 1.0
-    raise ValueError(f"unknown residual scheme {residual!r}; choose one of {', '.join(RESIDUALS)}")
+    p = exponent or OWN_EXPONENT[residual]
+    return (2 * N) ** p, (8 * N) ** -p
 
 
 @dataclass
@@ -59,6 +67,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     residual: str = "deeploop"
+    residual_exponent: float = 0.0  # p of alpha = (2N)^p, beta = (8N)^-p; 0 = the scheme's own (1/2 or 1/4)
     # The backbone; the defaults are GPT-2's blocks. The DeepLoop paper's backbone is rmsnorm + rope +
     # norm_branch_input=True, the Post-LN block x = RMSNorm(alpha * x + f(RMSNorm(x))). Pre-LN blocks already feed
     # their branches a normalized input, so norm_branch_input changes only Post-LN schemes.
@@ -81,6 +90,7 @@ class GPTConfig:
         if self.position_encoding == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"rope rotates pairs of channels: the head size n_embd/n_head="
                              f"{self.n_embd // self.n_head} must be even")
+        residual_coefficients(self.residual, self.unrolled_depth, self.residual_exponent)  # raises on a bad exponent
 
     @property
     def unrolled_depth(self):
@@ -206,7 +216,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         N = config.unrolled_depth
-        self.alpha, self.beta = residual_coefficients(config.residual, N)
+        self.alpha, self.beta = residual_coefficients(config.residual, N, config.residual_exponent)
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd) if config.position_encoding == "learned" else None,

@@ -1,19 +1,27 @@
 """
-Check the paper's claims at CPU scale: the same small looped model trained under each residual scheme at several loop
-counts, a few seeds each, at a fixed token budget; then a stability sweep at a large unrolled depth with a raised
-learning rate. Every run is a plain `python train.py --key=value ...` in a subprocess, so what is measured here is
-exactly what train.py does.
+The paper's experiments at CPU scale. Every run is a plain `python train.py --key=value ...` in a subprocess, so what
+is measured here is exactly what train.py does. Three modes share the runs, the escape rule, the tables and the plots:
 
-    python sweep.py                                  # the whole sweep (18 min on 2 CPU cores), results in out-sweep/
-    python sweep.py --seeds=0 --loops=1,4 --max_iters=100 --out_dir=out-sweep-quick   # a quick look
+    python sweep.py --mode=exponent   # Appendix C: DeepLoop's exponent p from 0.25 (DeepNorm) to 0.60 at R = 3, 5 seeds
+    python sweep.py --mode=lr         # each scheme at its own best learning rate, R = 1 and R = 3, 3 seeds
+    python sweep.py --mode=loops      # Table 1: loop counts R = 1, 3, 5, 7 at fixed physical depth, 3 seeds
+    python sweep.py --mode=loops --schemes=preln,deeploop,deepnorm,postln --seeds=0   # any grid, by override
 
-Writes out_dir/results.md (tables), out_dir/val_loss_vs_n_loop.png (plot, needs matplotlib) and one folder per run
-under out_dir/runs/. A run whose folder already holds result.json is not trained again, so an interrupted sweep
-picks up where it stopped; delete out_dir to start from scratch.
+Each mode runs every combination of its schemes x loops x exponents x learning_rates x seeds (an empty setting takes
+the mode's default, MODES below) and writes out_dir/results.md (tables), out_dir/<mode>.png (its plot) and
+out_dir/curves.png (every run's training loss against the floor and the escape line) and one folder per run under
+out_dir/runs/. A run whose folder already holds result.json is not trained again, so an interrupted sweep picks up
+where it stopped, and a sweep with more seeds reuses the runs it has; delete out_dir to start from scratch.
+
+Escaping the floor. A model that has only learned how often each token occurs scores the unigram entropy of the
+data, measured here from the training split; short Post-LN runs often stall there. A run has *escaped* when its
+final val loss is below that floor by more than escape_margin nats. In the sweeps of docs/reproducing.md the runs
+whose training loss stayed on the floor's curve ended between 0.08 below and 0.10 above it (the training split's
+byte frequencies score 3.312 on the val split against the floor's 3.315) and those that learned more ended at least
+0.23 below it. A margin of 0.1 falls in that gap; curves.png shows where it falls for any new sweep.
 
 Byte-level tokens (data/builtin_bytes, vocab 256 + a separator) by default: with GPT-2's 50K vocabulary a CPU step
-goes almost entirely to the output layer, and in the minutes a sweep has every scheme stops near the unigram level,
-where the schemes cannot be told apart.
+goes almost entirely to the output layer, and in the minutes a sweep has every scheme stops near the unigram level.
 """
 
 import json
@@ -23,64 +31,98 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from configurator import configure, die
+from dataset import load_meta, read_shard
+from model import OWN_EXPONENT
 from plot import read_metrics
 from prepare_data import prepare_builtin_if_missing
 
 # -----------------------------------------------------------------------------------------------------------------
-out_dir = "out-sweep"
+mode = "exponent"         # exponent | lr | loops
+out_dir = ""              # default: out-sweep-<mode>
 dataset = "builtin_bytes"
-schemes = "deeploop,deepnorm,postln,preln"
-loops = "1,2,4,8"         # n_loop values; the physical depth n_layer stays fixed
-seeds = "0,1,2"
+# the grid; "" takes the mode's default from MODES
+schemes = ""
+loops = ""                # n_loop values; the physical depth n_layer stays fixed
+exponents = ""            # residual_exponent values (0 = the scheme's own p)
+learning_rates = ""
+seeds = ""
 workers = 2               # runs at the same time, one CPU thread each (2 single-threaded runs beat 1 two-threaded)
-# the model and the budget of every run in the main sweep
+escape_margin = 0.1       # nats below the unigram floor that count as having escaped it
+# the model and the budget of every run
 n_layer = 2
 n_head = 4
-n_embd = 128
-block_size = 128
+n_embd = 64
+block_size = 64
 batch_size = 8
-max_iters = 300           # the token budget: max_iters * batch_size * block_size tokens per run
-learning_rate = 1e-3
+max_iters = 400           # the token budget: max_iters * batch_size * block_size tokens per run
 warmup_iters = 100        # Post-LN needs a real warmup: with 30, every Post-LN scheme stalled at unigram level
 eval_iters = 20
-# stability sweep: a deep unroll of the same physical blocks and a raised learning rate, one seed per scheme
-stability_n_loop = 32
-stability_learning_rate = 1e-2
-stability_max_iters = 100
-stability_warmup_iters = 5
-stability_batch_size = 8
-stability_block_size = 64
 config = configure(globals(), sys.argv[1:])
 # -----------------------------------------------------------------------------------------------------------------
 
+MODES = {
+    "exponent": dict(schemes="deeploop", loops="3", exponents="0.25,0.3,0.35,0.4,0.45,0.5,0.55,0.6",
+                     learning_rates="3e-3", seeds="0,1,2,3,4"),
+    "lr": dict(schemes="deeploop,deepnorm,preln", loops="1,3", exponents="0", learning_rates="3e-4,1e-3,3e-3",
+               seeds="0,1,2"),
+    "loops": dict(schemes="preln,deeploop", loops="1,3,5,7", exponents="0", learning_rates="1e-3", seeds="0,1,2"),
+}
+# Appendix C of the paper: runs out of 5 (GPT-2 small, R = 3, ~2,700 steps) that escaped the unigram floor
+PAPER_ESCAPED = {0.30: 0, 0.35: 1, 0.40: 2, 0.45: 2, 0.50: 3, 0.55: 5, 0.60: 5}
 
-def int_list(name):
+if mode not in MODES:
+    die(f"unknown mode {mode!r}; use --mode=exponent, --mode=lr or --mode=loops")
+out_dir = out_dir or f"out-sweep-{mode}"
+
+
+def number_list(name, kind):
+    text = str(globals()[name] or MODES[mode][name])
     try:
-        return [int(v) for v in str(globals()[name]).split(",")]
+        return [kind(v) for v in text.split(",")]
     except ValueError:
-        die(f"{name} must be comma-separated integers like 1,2,4, got {globals()[name]!r}")
+        die(f"{name} must be comma-separated {kind.__name__}s like {MODES['loops'][name]}, got {text!r}")
 
 
-scheme_list, loop_list, seed_list = schemes.split(","), int_list("loops"), int_list("seeds")
+scheme_list = str(schemes or MODES[mode]["schemes"]).split(",")
+loop_list, seed_list = number_list("loops", int), number_list("seeds", int)
+exponent_list, lr_list = number_list("exponents", float), number_list("learning_rates", float)
 for scheme in scheme_list:
     if scheme not in ("deeploop", "deepnorm", "postln", "preln"):
         die(f"unknown scheme '{scheme}' in --schemes; use deeploop, deepnorm, postln, preln")
+    if scheme in ("postln", "preln") and any(exponent_list):
+        die(f"--exponents apply to deeploop and deepnorm only, not {scheme}; drop it from --schemes")
 
 
-def train(name, n_loop, seed, lr, iters, warmup, batch, block):
+def unigram_floor(data_dir):
+    """The entropy of the training split's token frequencies in nats per token: the loss of a model that predicts
+    every token from how often it occurs, ignoring the context."""
+    counts = sum(np.bincount(read_shard(os.path.join(data_dir, shard["file"])), minlength=1 << 16)
+                 for shard in load_meta(data_dir)["shards"]["train"])
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def escaped(run):
+    return run["val_loss"] is not None and run["val_loss"] < floor - escape_margin
+
+
+def train(scheme, n_loop, exponent, lr, seed):
     """One train.py run -> its result dict (also saved as result.json in the run's folder)."""
+    name = f"{scheme}_R{n_loop}_p{exponent:g}_lr{lr:g}_seed{seed}"
     run_dir = os.path.join(out_dir, "runs", name)
     result_path = os.path.join(run_dir, "result.json")
     if os.path.isfile(result_path):
         with open(result_path) as f:
             return json.load(f)
-    scheme = name.split("_")[0]
-    args = dict(out_dir=run_dir, dataset=dataset, residual=scheme, n_layer=n_layer, n_loop=n_loop, n_head=n_head,
-                n_embd=n_embd, block_size=block, batch_size=batch, gradient_accumulation_steps=1, dropout=0.0,
-                learning_rate=lr, min_lr=lr / 10, warmup_iters=warmup, max_iters=iters, lr_decay_iters=iters,
-                eval_interval=iters, eval_iters=eval_iters, log_interval=max(1, iters // 20), seed=seed,
-                device="cpu", dtype="float32", compile=False)
+    args = dict(out_dir=run_dir, dataset=dataset, residual=scheme, residual_exponent=exponent, n_layer=n_layer,
+                n_loop=n_loop, n_head=n_head, n_embd=n_embd, block_size=block_size, batch_size=batch_size,
+                gradient_accumulation_steps=1, dropout=0.0, learning_rate=lr, min_lr=lr / 10,
+                warmup_iters=warmup_iters, max_iters=max_iters, lr_decay_iters=max_iters, eval_interval=max_iters,
+                eval_iters=eval_iters, log_interval=max(1, max_iters // 25), seed=seed, device="cpu",
+                dtype="float32", compile=False)
     cmd = [sys.executable, "train.py"] + [f"--{k}={v}" for k, v in args.items()]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     t0 = time.time()
@@ -90,104 +132,208 @@ def train(name, n_loop, seed, lr, iters, warmup, batch, block):
             f"{' '.join(cmd)}")
     records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     evals = [r for r in records if r["type"] == "eval"]
-    final = evals[-1] if proc.returncode == 0 else None
-    result = dict(name=name, scheme=scheme, n_loop=n_loop, seed=seed, seconds=time.time() - t0,
-                  initial_val_loss=evals[0]["val_loss"], val_loss=final["val_loss"] if final else None,
-                  kappa=final["loop"]["kappa"] if final else None,
-                  error=proc.stderr.strip().splitlines()[-1] if proc.returncode else None)
-    # diverged: the loss went non-finite (train.py stops), or training ended worse than it started
-    result["diverged"] = final is None or not final["val_loss"] < result["initial_val_loss"]
+    final = evals[-1] if proc.returncode == 0 else None  # a diverged run (non-finite loss) has no final eval
+    kappa = final["loop"]["kappa"] if final else None
+    result = dict(name=name, scheme=scheme, n_loop=n_loop, exponent=exponent, lr=lr, seed=seed,
+                  seconds=time.time() - t0, val_loss=final["val_loss"] if final else None,
+                  kappa=sum(kappa) / len(kappa) if kappa else None,  # mean over the physical blocks
+                  curve=[(r["iter"], r["loss"]) for r in records if r["type"] == "train"])
     with open(result_path, "w") as f:
         json.dump(result, f)
-    status = "DIVERGED" if result["diverged"] else f"val {result['val_loss']:.4f}"
-    print(f"{name:32s} {status:>14s}  ({result['seconds']:.0f} s)", flush=True)
+    status = "diverged" if final is None else f"val {result['val_loss']:.4f} kappa {result['kappa']:.2f}"
+    print(f"{name:40s} {status:>24s}  ({result['seconds']:.0f} s)", flush=True)
     return result
 
 
 def mean_std(values):
+    if not values:
+        return None
     m = sum(values) / len(values)
     return m, (sum((v - m) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
 
 
+def fmt(stat, digits=4):
+    return "—" if stat is None else f"{stat[0]:.{digits}f} ± {stat[1]:.{digits}f}"
+
+
+def scheme_label(scheme, exponent):
+    return scheme if not exponent else f"{scheme} p={exponent:g}"
+
+
 t_start = time.time()
-prepare_builtin_if_missing(dataset)  # once, here: parallel runs must not all start preparing it
-main_runs = [(f"{s}_loop{r}_seed{seed}", r, seed, learning_rate, max_iters, warmup_iters, batch_size, block_size)
-             for s in scheme_list for r in loop_list for seed in seed_list]
-stability_runs = [(f"{s}_loop{stability_n_loop}_stability", stability_n_loop, seed_list[0], stability_learning_rate,
-                   stability_max_iters, stability_warmup_iters, stability_batch_size, stability_block_size)
-                  for s in scheme_list]
-# the longest runs first, so the last minutes are not one deep run with a single core busy
-jobs = sorted(main_runs + stability_runs, key=lambda job: -job[1] * job[4] * job[6] * job[7])
-print(f"{len(main_runs)} runs of {max_iters * batch_size * block_size:,} tokens and {len(stability_runs)} stability "
-      f"runs, {workers} at a time, into {out_dir}/runs")
+data_dir = prepare_builtin_if_missing(dataset)  # once, here: parallel runs must not all start preparing it
+floor = unigram_floor(data_dir)
+unit = "byte" if load_meta(data_dir)["tokenizer"] == "bytes" else "token"
+print(f"unigram floor of data/{dataset} (train split): {floor:.4f} nats per {unit}; a run has escaped it when its "
+      f"final val loss is below {floor - escape_margin:.4f}")
+grid = [(s, r, p, lr, seed) for s in scheme_list for r in loop_list for p in exponent_list for lr in lr_list
+        for seed in seed_list]
+jobs = sorted(grid, key=lambda job: -job[1])  # the deepest runs first: the last minutes are not one run on one core
+print(f"{mode} sweep: {len(grid)} runs of {max_iters * batch_size * block_size:,} tokens, {workers} at a time, into "
+      f"{out_dir}/runs", flush=True)
 with ThreadPoolExecutor(workers) as pool:
-    results = {r["name"]: r for r in pool.map(lambda job: train(*job), jobs)}
+    results = dict(zip(jobs, pool.map(lambda job: train(*job), jobs)))
 minutes = (time.time() - t_start) / 60
+run_minutes = sum(run["seconds"] for run in results.values()) / 60
 
 # -----------------------------------------------------------------------------------------------------------------
-# tables and plot
+# tables: one row per (scheme, R, p, lr) over its seeds, then the mode's own summary
+
+groups = {}  # (scheme, R, p, lr) -> its runs, one per seed
+for (s, r, p, lr, seed), run in sorted(results.items()):
+    groups.setdefault((s, r, p, lr), []).append(run)
+
+
+def summary(runs):
+    """escaped count, final val loss of all finished runs and of the escaped ones, kappa_R of the finished runs"""
+    done = [run for run in runs if run["val_loss"] is not None]
+    return dict(escaped=sum(map(escaped, runs)), runs=len(runs), diverged=len(runs) - len(done),
+                loss=mean_std([run["val_loss"] for run in done]),
+                escaped_loss=mean_std([run["val_loss"] for run in runs if escaped(run)]),
+                kappa=mean_std([run["kappa"] for run in done]))
+
+
+stats = {key: summary(runs) for key, runs in groups.items()}
 tokens = max_iters * batch_size * block_size
-lines = [f"Val loss (nats per {'byte' if 'bytes' in dataset else 'token'}) after {tokens:,} training tokens, "
-         f"mean ± std over seeds {seeds}; {n_layer} physical blocks, width {n_embd}, lr {learning_rate}, "
-         f"data/{dataset}. Diverged runs are left out of the mean and counted.", "",
-         "| scheme | " + " | ".join(f"n_loop={r} (N={n_layer * r})" for r in loop_list) + " |",
-         "|---|" + "---|" * len(loop_list)]
-cells = {}
-for s in scheme_list:
-    row = []
-    for r in loop_list:
-        runs = [results[f"{s}_loop{r}_seed{seed}"] for seed in seed_list]
-        ok = [run["val_loss"] for run in runs if not run["diverged"]]
-        cells[s, r] = mean_std(ok) if ok else None
-        text = f"{cells[s, r][0]:.4f} ± {cells[s, r][1]:.4f}" if ok else "—"
-        if len(ok) < len(runs):
-            text += f" ({len(runs) - len(ok)} of {len(runs)} diverged)"
-        row.append(text)
-    lines.append(f"| {s} | " + " | ".join(row) + " |")
-lines += ["", "kappa_R at the end of training (mean over physical blocks, then over seeds; 1 = visits decorrelated, "
-          "R = fully aligned):", "",
-          "| scheme | " + " | ".join(f"R={r}" for r in loop_list) + " |", "|---|" + "---|" * len(loop_list)]
-for s in scheme_list:
-    row = []
-    for r in loop_list:
-        kappas = [sum(k) / len(k) for k in (results[f"{s}_loop{r}_seed{seed}"]["kappa"] for seed in seed_list) if k]
-        row.append(f"{sum(kappas) / len(kappas):.2f}" if kappas else "—")
-    lines.append(f"| {s} | " + " | ".join(row) + " |")
-lines += ["", f"Stability: n_loop={stability_n_loop} (N={n_layer * stability_n_loop}), lr {stability_learning_rate}, "
-          f"warmup {stability_warmup_iters}, {stability_max_iters} steps of {stability_batch_size}x"
-          f"{stability_block_size} tokens, seed {seed_list[0]}:", "",
-          "| scheme | initial val loss | final val loss | diverged |", "|---|---|---|---|"]
-for s in scheme_list:
-    run = results[f"{s}_loop{stability_n_loop}_stability"]
-    final = f"{run['val_loss']:.4f}" if run["val_loss"] is not None else "non-finite"
-    lines.append(f"| {s} | {run['initial_val_loss']:.4f} | {final} | {'yes' if run['diverged'] else 'no'} |")
-lines += ["", f"Sweep time: {minutes:.1f} min with {workers} worker(s). Command: "
-          f"`{' '.join(['python sweep.py'] + sys.argv[1:])}`"]
+lines = [f"# sweep.py --mode={mode}", "",
+         f"Final val loss in nats per {unit} after {tokens:,} training tokens ({max_iters} steps of {batch_size}x"
+         f"{block_size}, warmup {warmup_iters}, cosine to lr/10), {n_layer} physical blocks of width {n_embd}, "
+         f"data/{dataset}, seeds {','.join(map(str, seed_list))}; mean ± std over seeds. Unigram floor "
+         f"{floor:.4f} (entropy of the training split's {unit} frequencies); *escaped* = final val loss below "
+         f"{floor - escape_margin:.4f} (floor - {escape_margin}). kappa_R: visit alignment at the end of training, "
+         f"mean over the physical blocks (1 = visits decorrelated, R = fully aligned).", "",
+         "| scheme | R | p | lr | escaped | val loss (all) | val loss (escaped) | kappa_R |",
+         "|---|---|---|---|---|---|---|---|"]
+for (s, r, p, lr), st in stats.items():
+    p_text = f"{p or OWN_EXPONENT[s]:g}" if s in OWN_EXPONENT else "—"
+    diverged = f" ({st['diverged']} diverged)" if st["diverged"] else ""
+    lines.append(f"| {s} | {r} | {p_text} | {lr:g} | {st['escaped']}/{st['runs']}{diverged} | {fmt(st['loss'])} | "
+                 f"{fmt(st['escaped_loss'])} | {fmt(st['kappa'], 2)} |")
+
+if mode == "lr":
+    # a scheme's best rate is the one with the lowest mean final loss over all seeds; a rate where any run diverged
+    # is not eligible
+    lines += ["", "Each scheme at its best learning rate (lowest mean final val loss over all seeds):", "",
+              "| scheme | R | best lr | val loss | escaped |", "|---|---|---|---|---|"]
+    for s in scheme_list:
+        for p in exponent_list:
+            for r in loop_list:
+                eligible = [(stats[s, r, p, lr]["loss"][0], lr) for lr in lr_list
+                            if stats[s, r, p, lr]["loss"] and not stats[s, r, p, lr]["diverged"]]
+                if eligible:
+                    best = stats[s, r, p, min(eligible)[1]]
+                    lines.append(f"| {scheme_label(s, p)} | {r} | {min(eligible)[1]:g} | {fmt(best['loss'])} | "
+                                 f"{best['escaped']}/{best['runs']} |")
+                else:
+                    lines.append(f"| {scheme_label(s, p)} | {r} | — | every rate had a diverged run | — |")
+if mode == "loops":
+    lines += ["", "Final val loss by loop count (the paper's Table 1 layout):", "",
+              "| scheme | " + " | ".join(f"R={r} (N={n_layer * r})" for r in loop_list) + " |",
+              "|---|" + "---|" * len(loop_list)]
+    for s in scheme_list:
+        for p in exponent_list:
+            for lr in lr_list:
+                cells = []
+                for r in loop_list:
+                    st = stats[s, r, p, lr]
+                    stalled = st["runs"] - st["escaped"]
+                    cells.append(fmt(st["loss"]) + (f" ({stalled} of {st['runs']} stalled)" if stalled else ""))
+                label = scheme_label(s, p) + (f" lr {lr:g}" if len(lr_list) > 1 else "")
+                lines.append(f"| {label} | " + " | ".join(cells) + " |")
+lines += ["", f"Sweep time: {minutes:.1f} min wall with {workers} worker(s), {run_minutes:.1f} min summed over the "
+          f"runs trained in this invocation and earlier ones. Command: `{' '.join(['python sweep.py'] + sys.argv[1:])}`"]
 table = "\n".join(lines)
 with open(os.path.join(out_dir, "results.md"), "w") as f:
     f.write(table + "\n")
 print(table)
+
+# -----------------------------------------------------------------------------------------------------------------
+# plots
 
 try:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 except ImportError:
-    print("matplotlib is not installed: no plot (pip install matplotlib)")
-else:
-    fig, ax = plt.subplots(figsize=(6, 4))
+    print("matplotlib is not installed: no plots (pip install matplotlib)")
+    print(f"sweep took {minutes:.1f} min")
+    sys.exit(0)
+
+# every run's training loss: the escape line must fall between the runs that stall and those that learn more
+fig, ax = plt.subplots(figsize=(6, 4))
+for run in results.values():
+    if run["curve"]:
+        iters, losses = zip(*run["curve"])
+        ax.plot(iters, losses, color="tab:blue" if escaped(run) else "tab:red", alpha=0.4, lw=0.8)
+ax.axhline(floor, color="black", ls="--", lw=1, label=f"unigram floor {floor:.3f}")
+ax.axhline(floor - escape_margin, color="gray", ls=":", lw=1, label=f"escape line {floor - escape_margin:.3f}")
+ax.plot([], [], color="tab:blue", label="escaped (final val loss)")
+ax.plot([], [], color="tab:red", label="stalled or diverged")
+ax.set_ylim(floor - 1.0, floor + 0.6)
+ax.set_xlabel("step")
+ax.set_ylabel("training loss")
+ax.set_title(f"{mode} sweep: every run's training loss")
+ax.legend(fontsize=8)
+fig.tight_layout()
+fig.savefig(os.path.join(out_dir, "curves.png"), dpi=110)
+
+fig, ax = plt.subplots(figsize=(6.5, 4))
+if mode == "exponent":
     for s in scheme_list:
-        points = [(r, *cells[s, r]) for r in loop_list if cells[s, r]]
-        if points:
-            xs, ms, sd = zip(*points)
-            ax.errorbar(xs, ms, yerr=sd, marker="o", capsize=3, label=s)
-    ax.set_xscale("log", base=2)
+        for r in loop_list:
+            for lr in lr_list:
+                ps = [p or OWN_EXPONENT[s] for p in exponent_list]
+                fractions = [stats[s, r, p, lr]["escaped"] / stats[s, r, p, lr]["runs"] for p in exponent_list]
+                ax.plot(ps, fractions, marker="o", label=f"this repo: {s} R={r} lr {lr:g}")
+    ax.plot(list(PAPER_ESCAPED), [n / 5 for n in PAPER_ESCAPED.values()], marker="s", ls="--", color="black",
+            label="paper, Appendix C (GPT-2 small, R=3)")
+    ax.set_xlabel("exponent p  (alpha = (2N)^p, beta = (8N)^-p; 0.25 = DeepNorm, 0.5 = DeepLoop)")
+    ax.set_ylabel("fraction of seeds that escaped the floor")
+    ax.set_ylim(-0.05, 1.05)
+    ax.legend(fontsize=8, loc="upper left")
+    loss_ax = ax.twinx()
+    for s in scheme_list:
+        for r in loop_list:
+            for lr in lr_list:
+                points = [(p or OWN_EXPONENT[s], *stats[s, r, p, lr]["escaped_loss"])
+                          for p in exponent_list if stats[s, r, p, lr]["escaped_loss"]]
+                if points:
+                    xs, ms, sd = zip(*points)
+                    loss_ax.errorbar(xs, ms, yerr=sd, color="tab:green", marker="^", ls=":", capsize=2,
+                                     label="mean final val loss of the escaped runs")
+    loss_ax.set_ylabel("final val loss of escaped runs", color="tab:green")
+    if loss_ax.get_legend_handles_labels()[0]:
+        loss_ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(f"escape fraction against p, {len(seed_list)} seeds per point")
+elif mode == "lr":
+    for s in scheme_list:
+        for p in exponent_list:
+            for r, style in zip(loop_list, ("-", "--", ":", "-.") * len(loop_list)):
+                points = [(lr, *stats[s, r, p, lr]["loss"]) for lr in lr_list if stats[s, r, p, lr]["loss"]]
+                if points:
+                    xs, ms, sd = zip(*points)
+                    ax.errorbar(xs, ms, yerr=sd, marker="o", ls=style, capsize=3, label=f"{scheme_label(s, p)} R={r}",
+                                color=f"C{scheme_list.index(s)}")
+    ax.axhline(floor, color="black", ls="--", lw=1, label="unigram floor")
+    ax.set_xscale("log")
+    ax.set_xlabel("peak learning rate")
+    ax.set_ylabel("final val loss (mean ± std over seeds)")
+    ax.set_title("each scheme across learning rates")
+    ax.legend(fontsize=8)
+else:
+    for s in scheme_list:
+        for p in exponent_list:
+            for lr in lr_list:
+                points = [(r, *stats[s, r, p, lr]["loss"]) for r in loop_list if stats[s, r, p, lr]["loss"]]
+                if points:
+                    xs, ms, sd = zip(*points)
+                    ax.errorbar(xs, ms, yerr=sd, marker="o", capsize=3, label=scheme_label(s, p))
     ax.set_xticks(loop_list, [str(r) for r in loop_list])
-    ax.set_xlabel(f"n_loop (physical blocks fixed at {n_layer})")
-    ax.set_ylabel("final val loss")
-    ax.set_title(f"{tokens:,} tokens per run, mean ± std over {len(seed_list)} seeds")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "val_loss_vs_n_loop.png"), dpi=120)
-    print(f"plot: {os.path.join(out_dir, 'val_loss_vs_n_loop.png')}")
+    ax.set_xlabel(f"loop count R (physical blocks fixed at {n_layer})")
+    ax.set_ylabel("final val loss (mean ± std over seeds)")
+    ax.set_title(f"{tokens:,} tokens per run")
+    ax.legend(fontsize=8)
+fig.tight_layout()
+fig.savefig(os.path.join(out_dir, f"{mode}.png"), dpi=110)
+print(f"plots: {os.path.join(out_dir, mode + '.png')}, {os.path.join(out_dir, 'curves.png')}")
 print(f"sweep took {minutes:.1f} min")

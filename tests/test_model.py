@@ -38,6 +38,31 @@ def test_residual_coefficients_follow_the_formulas(n_layer, n_loop):
     assert model.transformer.h[0].alpha == pytest.approx(math.sqrt(2 * N))
 
 
+@pytest.mark.parametrize("p", [0.25, 0.3, 0.45, 0.5, 0.6])
+@pytest.mark.parametrize("N", [1, 3, 6, 14])
+def test_residual_exponent_sets_p_of_the_rule(p, N):
+    for residual in ("deeploop", "deepnorm"):
+        assert residual_coefficients(residual, N, p) == pytest.approx(((2 * N) ** p, (8 * N) ** -p))
+    # 0 is the scheme's own p, and p = 1/4 on deeploop is exactly DeepNorm
+    assert residual_coefficients("deeploop", N, 0.0) == residual_coefficients("deeploop", N, 0.5)
+    assert residual_coefficients("deepnorm", N, 0.0) == residual_coefficients("deepnorm", N, 0.25)
+    assert residual_coefficients("deeploop", N, 0.25) == residual_coefficients("deepnorm", N)
+    model = GPT(tiny(n_layer=1, n_loop=N, residual="deeploop", residual_exponent=p))
+    assert (model.alpha, model.beta) == pytest.approx(((2 * N) ** p, (8 * N) ** -p))
+    assert model.transformer.h[0].alpha == pytest.approx((2 * N) ** p)
+
+
+def test_bad_residual_exponent_is_rejected():
+    with pytest.raises(ValueError, match=r"^residual_exponent must be >= 0 \(0 = the scheme's own\), got -0.5$"):
+        GPTConfig(residual="deeploop", residual_exponent=-0.5)
+    for residual in ("preln", "postln"):
+        message = (f"residual_exponent=0.5 only applies to deeploop and deepnorm, not {residual}; leave it at 0 or "
+                   f"use --residual=deeploop")
+        with pytest.raises(ValueError) as e:
+            GPTConfig(residual=residual, residual_exponent=0.5)
+        assert str(e.value) == message
+
+
 def test_unknown_residual_is_rejected():
     with pytest.raises(ValueError, match="unknown residual scheme 'deepnet'"):
         GPTConfig(residual="deepnet")

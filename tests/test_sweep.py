@@ -1,36 +1,135 @@
+"""sweep.py end to end: the tables and plots of each mode on made-up run results (a run whose folder holds
+result.json is not trained again, so these tests train nothing), and one tiny real sweep for the train.py runs."""
+
 import json
 import os
 import subprocess
 import sys
 
+import numpy as np
+import pytest
+
+from prepare_data import prepare_builtin_if_missing, read_shard
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MARGIN = 0.1
 
 
-def test_sweep_writes_table_plot_marks_divergence_and_resumes(tmp_path):
-    out = tmp_path / "sweep"
-    data_dir = os.path.join(ROOT, "data", "builtin_bytes")  # train.py prepares it when missing
-    args = [sys.executable, "sweep.py", f"--out_dir={out}", "--schemes=deeploop,postln", "--loops=1,2",
-            "--seeds=0,1", "--max_iters=4", "--warmup_iters=1", "--eval_iters=2", "--n_embd=32", "--block_size=32",
-            "--stability_n_loop=3", "--stability_max_iters=3", "--stability_learning_rate=1e6",
-            "--stability_block_size=16"]
-    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
+@pytest.fixture(scope="module")
+def floor():
+    """The byte entropy of the builtin corpus's training split, counted here independently of sweep.py."""
+    data_dir = prepare_builtin_if_missing("builtin_bytes")
+    tokens = read_shard(os.path.join(ROOT, data_dir, "train_000000.bin"))
+    p = np.unique(tokens, return_counts=True)[1] / len(tokens)
+    return float(-(p * np.log(p)).sum())
+
+
+def sweep(*args):
+    return subprocess.run([sys.executable, "sweep.py", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+def write_runs(out, runs):
+    """runs: {(scheme, R, p, lr, seed): final val loss or None (diverged)} -> result.json files like sweep.py's"""
+    for (scheme, n_loop, p, lr, seed), val_loss in runs.items():
+        name = f"{scheme}_R{n_loop}_p{p:g}_lr{lr:g}_seed{seed}"
+        os.makedirs(out / "runs" / name)
+        result = dict(name=name, scheme=scheme, n_loop=n_loop, exponent=p, lr=lr, seed=seed, seconds=1.5,
+                      val_loss=val_loss, kappa=None if val_loss is None else 1.0 + n_loop * p,
+                      curve=[(0, 5.6), (10, 3.4), (20, 3.3 if val_loss is None else val_loss)])
+        (out / "runs" / name / "result.json").write_text(json.dumps(result))
+
+
+def sweep_made_up(*args):
+    """sweep.py over the made-up results only: a run it would have to train means the test's grid is wrong."""
+    r = sweep(*args, "--max_iters=0")
+    assert " s)\n" not in r.stdout, r.stdout
+    return r
+
+
+def rows(table):
+    return [line for line in table.splitlines() if line.startswith("| ")]
+
+
+def test_exponent_mode_counts_a_run_as_escaped_only_below_the_floor_minus_the_margin(tmp_path, floor):
+    out = tmp_path / "exponent"
+    line = floor - MARGIN
+    write_runs(out, {("deeploop", 3, 0.3, 2e-3, 0): line + 0.001, ("deeploop", 3, 0.3, 2e-3, 1): None,
+                     ("deeploop", 3, 0.3, 2e-3, 2): line - 0.001,
+                     ("deeploop", 3, 0.5, 2e-3, 0): line - 0.4, ("deeploop", 3, 0.5, 2e-3, 1): line - 0.2,
+                     ("deeploop", 3, 0.5, 2e-3, 2): floor})
+    r = sweep_made_up("--mode=exponent", f"--out_dir={out}", "--exponents=0.3,0.5", "--learning_rates=2e-3",
+                      "--seeds=0,1,2")
     assert r.returncode == 0, r.stderr
-    assert os.path.isdir(data_dir)
+    assert f"unigram floor of data/builtin_bytes (train split): {floor:.4f} nats per byte" in r.stdout
     table = (out / "results.md").read_text()
-    assert "| scheme | n_loop=1 (N=2) | n_loop=2 (N=4) |" in table
-    assert table.count("| deeploop |") == 3 and table.count("| postln |") == 3
-    # a learning rate of a million makes every stability run diverge, and the table says so
-    assert "| deeploop | " in table and table.rstrip().count("| yes |") == 2
-    assert (out / "val_loss_vs_n_loop.png").stat().st_size > 1000
-    result = json.loads((out / "runs" / "deeploop_loop2_seed1" / "result.json").read_text())
-    assert result["n_loop"] == 2 and len(result["kappa"]) == 2 and not result["diverged"]
-    assert result["val_loss"] < result["initial_val_loss"]
-    # finished runs are not trained again
-    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 0 and "val " not in r.stdout.split("runs, 2 at a time")[1].split("Val loss")[0]
+    assert rows(table)[1:] == [
+        f"| deeploop | 3 | 0.3 | 0.002 | 1/3 (1 diverged) | {(2 * line) / 2:.4f} ± {0.002 / 2 ** 0.5:.4f} | "
+        f"{line - 0.001:.4f} ± 0.0000 | {1.9:.2f} ± 0.00 |",
+        f"| deeploop | 3 | 0.5 | 0.002 | 2/3 | {(3 * line - 0.6 + MARGIN) / 3:.4f} ± "
+        f"{np.std([line - 0.4, line - 0.2, floor], ddof=1):.4f} | {line - 0.3:.4f} ± {0.2 / 2 ** 0.5:.4f} | "
+        f"2.50 ± 0.00 |"]
+    assert (out / "exponent.png").stat().st_size > 10000 and (out / "curves.png").stat().st_size > 10000
+    # a wider margin turns the run 0.2 below the line into a stalled one, without training anything again
+    r = sweep_made_up("--mode=exponent", f"--out_dir={out}", "--exponents=0.3,0.5", "--learning_rates=2e-3",
+                      "--seeds=0,1,2", "--escape_margin=0.35")
+    assert r.returncode == 0 and "| deeploop | 3 | 0.5 | 0.002 | 1/3 |" in r.stdout
 
 
-def test_bad_list_is_a_one_line_error():
-    r = subprocess.run([sys.executable, "sweep.py", "--loops=1,two"], cwd=ROOT, capture_output=True, text=True)
+def test_lr_mode_picks_each_schemes_best_rate_and_skips_rates_with_a_diverged_run(tmp_path, floor):
+    out = tmp_path / "lr"
+    losses = {1e-3: [2.9, 2.8], 3e-3: [2.7, None], 3e-4: [3.0, 3.1]}
+    write_runs(out, {(s, r, 0.0, lr, seed): v if s == "deeploop" else floor
+                     for s in ("deeploop", "preln") for r in (1, 3) for lr, vs in losses.items()
+                     for seed, v in enumerate(vs)})
+    r = sweep_made_up("--mode=lr", f"--out_dir={out}", "--schemes=deeploop,preln", "--learning_rates=3e-4,1e-3,3e-3",
+                      "--seeds=0,1")
+    assert r.returncode == 0, r.stderr
+    table = (out / "results.md").read_text()
+    assert "| deeploop | 3 | 0.5 | 0.003 | 1/2 (1 diverged) | 2.7000 ± 0.0000 | 2.7000 ± 0.0000 | 1.00 ± 0.00 |" in table
+    assert "| preln | 1 | — | 0.001 | 0/2 |" in table
+    best = table.split("Each scheme at its best learning rate")[1]
+    assert f"| deeploop | 1 | 0.001 | 2.8500 ± {0.1 / 2 ** 0.5:.4f} | 2/2 |" in best
+    assert "| preln | 3 | 0.0003 | " in best and " | 0/2 |" in best  # all equal: the first rate of the grid
+    assert (out / "lr.png").stat().st_size > 10000
+
+
+def test_loops_mode_writes_the_table_1_layout(tmp_path, floor):
+    out = tmp_path / "loops"
+    write_runs(out, {(s, r, 0.0, 1e-3, seed): (floor if (s, r, seed) == ("deeploop", 3, 1) else 2.5 + r / 100)
+                     for s in ("preln", "deeploop") for r in (1, 3) for seed in (0, 1)})
+    r = sweep_made_up("--mode=loops", f"--out_dir={out}", "--loops=1,3", "--learning_rates=1e-3", "--seeds=0,1")
+    assert r.returncode == 0, r.stderr
+    table = (out / "results.md").read_text()
+    layout = table.split("Table 1 layout")[1]
+    assert "| scheme | R=1 (N=2) | R=3 (N=6) |" in layout
+    assert "| preln | 2.5100 ± 0.0000 | 2.5300 ± 0.0000 |" in layout
+    assert f"| deeploop | 2.5100 ± 0.0000 | {(2.53 + floor) / 2:.4f} ± " in layout and "(1 of 2 stalled) |" in layout
+    assert (out / "loops.png").stat().st_size > 10000
+
+
+def test_a_tiny_real_sweep_records_kappa_and_resumes(tmp_path):
+    out = tmp_path / "real"
+    args = [f"--out_dir={out}", "--mode=loops", "--schemes=deeploop,preln", "--loops=1,2", "--seeds=0",
+            "--max_iters=4", "--warmup_iters=1", "--eval_iters=2", "--n_embd=32", "--block_size=32"]
+    r = sweep(*args)
+    assert r.returncode == 0, r.stderr
+    result = json.loads((out / "runs" / "deeploop_R2_p0_lr0.001_seed0" / "result.json").read_text())
+    assert result["n_loop"] == 2 and result["exponent"] == 0 and 0 <= result["kappa"] <= 2
+    assert 0 < result["val_loss"] < 10 and [i for i, _ in result["curve"]] == [0, 1, 2, 3]
+    preln = json.loads((out / "runs" / "preln_R1_p0_lr0.001_seed0" / "result.json").read_text())
+    assert preln["kappa"] == pytest.approx(1.0)  # one visit per block: nothing to align
+    assert r.stdout.count(" s)\n") == 4
+    r = sweep(*args)  # finished runs are not trained again
+    assert r.returncode == 0 and " s)\n" not in r.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--loops=1,two"], "loops must be comma-separated ints like 1,3,5,7, got '1,two'"),
+    (["--mode=depth"], "unknown mode 'depth'; use --mode=exponent, --mode=lr or --mode=loops"),
+    (["--mode=lr", "--schemes=preln", "--exponents=0.3"],
+     "--exponents apply to deeploop and deepnorm only, not preln; drop it from --schemes"),
+])
+def test_bad_settings_are_one_line_errors(args, message):
+    r = sweep(*args)
     assert r.returncode == 2
-    assert r.stderr == "error: loops must be comma-separated integers like 1,2,4, got '1,two'\n"
+    assert r.stderr == f"error: {message}\n"

@@ -97,6 +97,24 @@ def test_run_writes_checkpoint_and_metrics(first_half):
     assert re.search(rf"step {HALF}: train loss [\d.]+, val loss [\d.]+, kappa_R", result.stdout)
 
 
+def test_residual_exponent_travels_in_the_checkpoint_and_old_checkpoints_load(workdir):
+    train(workdir, "--out_dir=exponent", "--max_iters=1", "--residual_exponent=0.35")
+    path = os.path.join(workdir, "exponent", "ckpt.pt")
+    ckpt = load(workdir / "exponent")
+    assert ckpt["model_args"]["residual_exponent"] == 0.35
+    model, _ = GPT.from_checkpoint(path)
+    assert model.alpha == pytest.approx(8 ** 0.35)  # N = 2 blocks x 2 loops
+    # a checkpoint written before the setting existed loads with the scheme's own exponent
+    del ckpt["model_args"]["residual_exponent"]
+    torch.save(ckpt, path)
+    model, _ = GPT.from_checkpoint(path)
+    assert model.alpha == pytest.approx(8 ** 0.5)
+    result = train(workdir, "--out_dir=exponent_preln", "--max_iters=1", "--residual=preln",
+                   "--residual_exponent=0.3", expect_rc=2)
+    assert result.stderr == ("error: residual_exponent=0.3 only applies to deeploop and deepnorm, not preln; leave "
+                             "it at 0 or use --residual=deeploop\n")
+
+
 @pytest.fixture(scope="module")
 def whole(workdir):
     """The run that first_half and the stopped runs below are resumed to match: 2 * HALF steps without a stop."""
