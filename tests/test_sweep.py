@@ -9,7 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from prepare_data import prepare_builtin_if_missing, read_shard
+from dataset import read_shard
+from prepare_data import prepare_builtin_if_missing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARGIN = 0.1
