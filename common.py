@@ -93,6 +93,14 @@ def autocast_context(device, dtype):
     return nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
 
 
+def precision(device, dtype):
+    """(dtype, why, autocast context) for a script that runs on device: choose_dtype's pick, and TF32 matmuls allowed
+    on CUDA (allow_tf32). Raises ValueError for an unknown dtype."""
+    dtype, why = choose_dtype(device, dtype)
+    allow_tf32(device)
+    return dtype, why, autocast_context(device, dtype)
+
+
 def synchronize(device):
     """Wait until the given device has finished its queued work (timings must include it): on CUDA, the device named,
     not the current one."""

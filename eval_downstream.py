@@ -54,7 +54,7 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from configurator import configure, die
-from common import allow_tf32, autocast_context, choose_dtype, tune_malloc
+from common import precision, tune_malloc
 from dataset import get_tokenizer
 from model import GPT
 
@@ -235,11 +235,9 @@ if __name__ == "__main__":
     if include_path and not os.path.isdir(include_path):
         die(f"--include_path={include_path} is not a folder; point it at a folder of task YAML files")
     try:
-        dtype, dtype_reason = choose_dtype(device, dtype)
+        dtype, dtype_reason, autocast = precision(device, dtype)
     except ValueError as e:
         die(str(e))
-    allow_tf32(device)
-    autocast = autocast_context(device, dtype)
 
     try:
         model, checkpoint = GPT.from_checkpoint(os.path.join(out_dir, "ckpt.pt"), device)

@@ -16,7 +16,7 @@ import time
 import torch
 import torch._dynamo
 
-from common import allow_tf32, autocast_context, choose_dtype, tune_malloc
+from common import precision, tune_malloc
 from configurator import configure, die
 from dataset import get_tokenizer
 from model import GPT
@@ -43,11 +43,9 @@ for name, value in (("num_samples", num_samples), ("max_new_tokens", max_new_tok
 if temperature <= 0:
     die(f"--temperature must be > 0, got {temperature} (use --top_k=1 for greedy decoding)")
 try:
-    dtype, dtype_reason = choose_dtype(device, dtype)
+    dtype, dtype_reason, ctx = precision(device, dtype)
 except ValueError as e:
     die(str(e))
-allow_tf32(device)
-ctx = autocast_context(device, dtype)
 
 if start.startswith("FILE:"):
     path = start[len("FILE:"):]

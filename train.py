@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from common import allow_tf32, autocast_context, choose_dtype, default_peak_flops, tune_malloc
+from common import default_peak_flops, precision, tune_malloc
 from configurator import configure, die
 from dataset import TokenWindows, load_meta
 from model import GPT, GPTConfig
@@ -175,11 +175,9 @@ if gradient_accumulation_steps % world_size:
 accum_steps = gradient_accumulation_steps // world_size  # micro-batches this process runs per step
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 device_type = device.split(":")[0]
-dtype, dtype_reason = choose_dtype(device, dtype)  # for the device this process runs on
+dtype, dtype_reason, autocast = precision(device, dtype)  # for the device this process runs on
 if compile is None:
     compile = device_type == "cuda"
-allow_tf32(device)
-autocast = autocast_context(device, dtype)
 if device_type == "cpu":
     # Deep Post-LN stacks produce tiny (denormal) gradients in their early visits; CPUs compute on denormals many
     # times slower (measured: 2 blocks x 32 loops, 5.1 s a step without this, 0.44 s with it, same loss)
