@@ -153,8 +153,8 @@ for (model, optimizer, _, ctx, line), times in zip(runs, step_times):
         for sequences in sorted({1, batch_size}):
             prompt = torch.randint(vocab_size, (sequences, gen_prompt_len), device=device)
             cached, uncached = (generation_speed(model, ctx, prompt, use_cache) for use_cache in (True, False))
-            print(f"generate: {gen_tokens} new tokens x {sequences} sequence{'s' if sequences > 1 else ''}: cached {cached:.1f} tokens/s, "
-                  f"uncached {uncached:.1f} tokens/s, cache speed-up {cached / uncached:.1f}x")
+            print(f"generate: {gen_tokens} new tokens x {sequences} sequence{'s' if sequences > 1 else ''}: "
+                  f"cached {cached:.1f} tokens/s, uncached {uncached:.1f} tokens/s, cache speed-up {cached / uncached:.1f}x")
     sys.stdout.flush()
 if compare_dtypes:
     for depth in range(len(depths)):
