@@ -21,7 +21,6 @@ The same checks on a tiny model on CPU, which tests/test_gpu_check.py runs:
     python gpu_check.py --dry=True --device=cpu --dtype=float32 --compile=False --nproc=2
 """
 
-import json
 import os
 import re
 import statistics
@@ -32,6 +31,7 @@ import time
 import torch
 
 from configurator import configure, die
+from plot import read_metrics
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -95,8 +95,7 @@ class CheckFailed(Exception):
 
 
 def metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return read_metrics(os.path.join(run_dir, "metrics.jsonl"))
 
 
 def speed(run_dir, name):
