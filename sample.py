@@ -18,7 +18,7 @@ import torch._dynamo
 
 from common import precision, tune_malloc
 from configurator import configure, die
-from dataset import get_tokenizer
+from dataset import get_tokenizer, valid_text
 from model import GPT
 
 out_dir = "out"  # the train.py run to sample from: reads out_dir/ckpt.pt
@@ -72,6 +72,7 @@ if compile:
     # uncompiled, so hitting it is an error
     torch._dynamo.config.fail_on_recompile_limit_hit = True
 
+start = valid_text(start)  # a lone surrogate (--start='"\ud800"') becomes U+FFFD, as in the tokenizers
 start_ids = enc.encode_ordinary(start) or [enc.eot_token]  # an empty prompt starts a new document
 x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, :]
 

@@ -17,6 +17,7 @@ step finish; then the run writes ckpt.pt, prints the command that resumes it and
 second signal, a second or more later, stops at once; ckpt.pt is only ever replaced whole, so the previous one stays.
 """
 
+import atexit
 import fcntl
 import json
 import math
@@ -144,6 +145,11 @@ if ddp:
         cpu_group = dist.new_group(backend="gloo")
     else:
         dist.init_process_group(backend="gloo")
+    # Every way out after this (an agreed stop, die(), an error, the end) tears the process group down while Python
+    # is still whole (atexit runs first at exit). Left to the interpreter's teardown, gloo's worker threads can drop
+    # the last collective's tensors after Python is gone, and the process aborts (SIGABRT) instead of exiting with
+    # its code; destroy_process_group joins those threads first.
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 
 
 def agree(*flags):
@@ -518,6 +524,19 @@ first_iter, saved_iter = iter_num, iter_num if init_from == "resume" else None
 saved_time = time.monotonic()
 if master and init_from == "resume" and iter_num >= max_iters:
     print(f"{ckpt_path} is at step {iter_num} already; raise --max_iters to train on")
+
+
+def stop(signum):
+    """Every process ends here once ckpt.pt holds step iter_num; the master says how to resume."""
+    pbar.close()
+    if master:
+        command = [sys.argv[0]] + [a for a in sys.argv[1:] if not a.startswith("--init_from=")]
+        launcher = " (launched as this run was)" if ddp else ""
+        print(f"stopped by {signal.Signals(signum).name}: {ckpt_path} holds step {iter_num}; resume with: "
+              f"python {shlex.join(command)} --init_from=resume{launcher}", flush=True)
+    sys.exit(STOPPED)
+
+
 # a terminal gets a progress bar; a file or a CI log gets one plain line per log_interval instead
 bar = master and sys.stderr.isatty()
 pbar = tqdm(total=max_iters, initial=iter_num, disable=not bar, dynamic_ncols=True, desc="train")
@@ -541,13 +560,7 @@ while True:
             if master and not signum:
                 tqdm.write(f"step {iter_num}: wrote {ckpt_path} ({checkpoint_minutes:g} minutes since the last one)")
         if signum:
-            pbar.close()
-            if master:
-                command = [sys.argv[0]] + [a for a in sys.argv[1:] if not a.startswith("--init_from=")]
-                launcher = " (launched as this run was)" if ddp else ""
-                print(f"stopped by {signal.Signals(signum).name}: {ckpt_path} holds step {iter_num}; resume with: "
-                      f"python {shlex.join(command)} --init_from=resume{launcher}", flush=True)
-            sys.exit(STOPPED)
+            stop(signum)
     # Evaluate (and checkpoint) every eval_interval steps and at the end; a resumed run skips its first step's when
     # the run that wrote the checkpoint has already done and logged it.
     if eval_due and not (init_from == "resume" and iter_num == first_iter and evaluated):
@@ -570,6 +583,11 @@ while True:
             log(dict(type="eval", iter=iter_num, tokens=iter_num * tokens_per_iter, train_loss=losses["train"],
                      val_loss=losses["val"], loop=diagnostics, **(dict(accuracy=accuracy) if task else {})))
         window_start, window_steps = time.perf_counter(), 0  # evaluation time does not count against tokens/s
+        # a signal during the evaluation stops here: ckpt.pt holds this step, and another step would mean another
+        # write within the scheduler's grace period
+        signum, = agree(stop_signal)
+        if signum and iter_num < max_iters:
+            stop(signum)
     if iter_num >= max_iters:
         break
 
@@ -619,5 +637,3 @@ if master:
     metrics_file.close()
     if wandb_log:
         wandb.finish()
-if ddp:
-    dist.destroy_process_group()
