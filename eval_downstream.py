@@ -23,11 +23,11 @@ reached the script runs offline on what is cached, and stops with one line if a 
 How the model is asked. Every task reduces to three requests, which CheckpointLM answers:
   loglikelihood(context, continuation)  log P(continuation | context), and whether greedy decoding would produce it.
       The harness splits the text into tokens (a context's trailing spaces go to the continuation); an empty
-      context, also one that was only spaces, is the document separator, as in the harness's own models. Requests are sorted by length and batch_size of them run in one
-      right-padded forward pass: attention is causal, so padding after a row never changes its scores. A context
-      that does not fit in block_size loses tokens from the LEFT; the continuation is always scored whole, in
-      pieces of block_size tokens if it is longer than that, each piece after as much of the text before it as
-      fits.
+      context, also one that was only spaces, is the document separator, as in the harness's own models. Requests
+      are sorted by length and batch_size of them run in one right-padded forward pass: attention is causal, so
+      padding after a row never changes its scores. A context that does not fit in block_size loses tokens from the
+      LEFT; the continuation is always scored whole, in pieces of block_size tokens if it is longer than that, each
+      piece after as much of the text before it as fits.
   loglikelihood_rolling(text)  log P(text) after the document separator, for perplexity tasks: the same pieces are
       the harness's rolling windows (every token predicted once, each window as long as block_size allows).
   generate_until(context, until, max_gen_toks)  KV-cached generation, one request at a time (contexts differ in
