@@ -236,12 +236,8 @@ if __name__ == "__main__":
     if include_path and not os.path.isdir(include_path):
         die(f"--include_path={include_path} is not a folder; point it at a folder of task YAML files")
     try:
-        dtype, dtype_reason, autocast = precision(device, dtype)
-    except ValueError as e:
-        die(str(e))
-
-    try:
         model, checkpoint = GPT.from_checkpoint(os.path.join(out_dir, "ckpt.pt"), device)
+        dtype, dtype_reason, autocast = precision(device, dtype, model.config.n_embd, model.config.block_size)
     except (ValueError, FileNotFoundError) as e:
         die(str(e))
     try:

@@ -42,10 +42,6 @@ for name, value in (("num_samples", num_samples), ("max_new_tokens", max_new_tok
         die(f"--{name} must be >= 0, got {value}")
 if temperature <= 0:
     die(f"--temperature must be > 0, got {temperature} (use --top_k=1 for greedy decoding)")
-try:
-    dtype, dtype_reason, ctx = precision(device, dtype)
-except ValueError as e:
-    die(str(e))
 
 if start.startswith("FILE:"):
     path = start[len("FILE:"):]
@@ -59,6 +55,7 @@ if start.startswith("FILE:"):
 
 try:
     model, checkpoint = GPT.from_checkpoint(f"{out_dir}/ckpt.pt", device)
+    dtype, dtype_reason, ctx = precision(device, dtype, model.config.n_embd, model.config.block_size)
 except (FileNotFoundError, ValueError) as e:
     die(str(e))
 model.eval()

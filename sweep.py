@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from common import choose_dtype
 from configurator import configure, die
 from dataset import load_meta, read_shard
 from model import OWN_EXPONENT
@@ -60,6 +61,7 @@ batch_size = 8
 max_iters = 400           # the token budget: max_iters * batch_size * block_size tokens per run
 warmup_iters = 100        # Post-LN needs a real warmup: with 30, every Post-LN scheme stalled at unigram level
 eval_iters = 20
+dtype = "auto"            # one precision for every run; auto: measured once here (common.choose_dtype)
 config = configure(globals(), sys.argv[1:])
 # -----------------------------------------------------------------------------------------------------------------
 
@@ -122,7 +124,7 @@ def train(scheme, n_loop, exponent, lr, seed):
                 gradient_accumulation_steps=1, dropout=0.0, learning_rate=lr, min_lr=lr / 10,
                 warmup_iters=warmup_iters, max_iters=max_iters, lr_decay_iters=max_iters, eval_interval=max_iters,
                 eval_iters=eval_iters, log_interval=max(1, max_iters // 25), seed=seed, device="cpu",
-                dtype="float32", compile=False)
+                dtype=run_dtype, compile=False)
     cmd = [sys.executable, "train.py"] + [f"--{k}={v}" for k, v in args.items()]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     t0 = time.time()
@@ -134,7 +136,7 @@ def train(scheme, n_loop, exponent, lr, seed):
     evals = [r for r in records if r["type"] == "eval"]
     final = evals[-1] if proc.returncode == 0 else None  # a diverged run (non-finite loss) has no final eval
     kappa = final["loop"]["kappa"] if final else None
-    result = dict(name=name, scheme=scheme, n_loop=n_loop, exponent=exponent, lr=lr, seed=seed,
+    result = dict(name=name, scheme=scheme, n_loop=n_loop, exponent=exponent, lr=lr, seed=seed, dtype=run_dtype,
                   seconds=time.time() - t0, val_loss=final["val_loss"] if final else None,
                   kappa=sum(kappa) / len(kappa) if kappa else None,  # mean over the physical blocks
                   curve=[(r["iter"], r["loss"]) for r in records if r["type"] == "train"])
@@ -160,7 +162,29 @@ def scheme_label(scheme, exponent):
     return scheme if not exponent else f"{scheme} p={exponent:g}"
 
 
+def sweep_dtype():
+    """(the precision of every run, why). Runs that each measured could pick differently on a noisy machine, so
+    the sweep decides once: the precision of the runs it already has (float32 before sweeps recorded it), else as
+    set, else measured here at the runs' shapes."""
+    runs_dir, done = os.path.join(out_dir, "runs"), set()
+    for name in os.listdir(runs_dir) if os.path.isdir(runs_dir) else []:
+        if os.path.isfile(os.path.join(runs_dir, name, "result.json")):
+            with open(os.path.join(runs_dir, name, "result.json")) as f:
+                done.add(json.load(f).get("dtype", "float32"))
+    if len(done) > 1 or done and dtype not in ("auto", *done):
+        die(f"{out_dir} holds runs in {', '.join(sorted(done))}; a sweep keeps one precision: leave --dtype at auto "
+            f"or choose another --out_dir")
+    if done:
+        return done.pop(), f"the precision of the runs in {out_dir}"
+    try:
+        return choose_dtype("cpu", dtype, n_embd, batch_size * block_size)
+    except ValueError as e:
+        die(str(e))
+
+
 t_start = time.time()
+run_dtype, dtype_reason = sweep_dtype()
+print(f"dtype {run_dtype} for every run: {dtype_reason}")
 data_dir = prepare_builtin_if_missing(dataset)  # once, here: parallel runs must not all start preparing it
 floor = unigram_floor(data_dir)
 unit = "byte" if load_meta(data_dir)["tokenizer"] == "bytes" else "token"

@@ -185,7 +185,6 @@ if gradient_accumulation_steps % world_size:
 accum_steps = gradient_accumulation_steps // world_size  # micro-batches this process runs per step
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 device_type = device.split(":")[0]
-dtype, dtype_reason, autocast = precision(device, dtype)  # for the device this process runs on
 if compile is None:
     compile = device_type == "cuda"
 if device_type == "cpu":
@@ -278,6 +277,9 @@ else:
         die(f"resuming {ckpt_path} with another model: {', '.join(changed)}; use the run's config unchanged")
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
     evaluated = checkpoint.get("evaluated", True)  # False: written on a signal or timer, before its step's evaluation
+# for the device this process runs on; on a CPU measured at this width, or a resumed run's own
+dtype, dtype_reason, autocast = precision(device, dtype, n_embd, batch_size * block_size,
+                                          checkpoint["config"].get("dtype") if init_from == "resume" else None)
 optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")  # float16 needs loss scaling; bfloat16 not
 

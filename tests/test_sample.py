@@ -62,6 +62,18 @@ def test_greedy_bytes_sample_is_readable_same_without_cache_other_with_more_loop
     assert sample(bytes_run, *args, "--n_loop=5") != text  # 5 loops instead of the trained 2
 
 
+def test_cached_greedy_generation_in_bfloat16_equals_recomputing_the_context(bytes_run):
+    """In bfloat16 (autocast: the blocks' weights cast once, the output layer's copy made in bfloat16) the cache
+    changes the speed, not the first 50 tokens of the trained model's greedy output."""
+    model, checkpoint = GPT.from_checkpoint(str(bytes_run / "ckpt.pt"))
+    model.eval()
+    prompt = torch.tensor([get_tokenizer(checkpoint["tokenizer"]).encode_ordinary("The ")])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cached, recomputed = (model.generate(prompt, 50, top_k=1, use_cache=use_cache) for use_cache in (True, False))
+        assert model(prompt)[0].dtype == torch.bfloat16  # the steps did compute in bfloat16
+    assert torch.equal(cached, recomputed)
+
+
 def test_fixed_seed_gives_identical_samples_streamed_as_decoded(bytes_run):
     """Two runs with one seed print the same, and what sample.py printed piece by piece equals decoding each finished
     sample at once, though the bytes of a multi-byte character arrive in separate steps."""
