@@ -59,7 +59,7 @@ wandb_run_name = "run"
 dataset = "openwebtext"  # folder data/<dataset> from prepare_data.py (builtin and builtin_bytes prepare themselves),
 #                          or a task of tasks.py made on the fly: chains (pointer chains, one sequence = block_size cells)
 chain_values = 8         # chains: the values a chain can start with (chance is 1 / chain_values)
-chain_hops = 16          # chains: pointers in the longest chain; accuracy is reported for k = 1 .. chain_hops
+chain_hops = 6           # chains: pointers in the longest chain; accuracy is reported for k = 1 .. chain_hops
 # Micro-batches per optimizer step over ALL processes together (as in nanoGPT): each of the W DDP processes runs
 # gradient_accumulation_steps / W of them, so a step sees the same tokens whatever the number of processes.
 gradient_accumulation_steps = 40
