@@ -1,5 +1,5 @@
 """depth_eval.py on a tiny trained run: it reproduces train.py's last accuracy, runs other loop counts and shows
-solved and failed answers."""
+solved and failed answers (and sample.py, which has no text to show for such a run, points to it)."""
 
 import json
 import os
@@ -29,6 +29,9 @@ def test_depth_eval_reproduces_the_runs_accuracy_and_shows_examples(tmp_path):
     assert any(line.strip().startswith("3 loops: ") for line in lines)
     examples = [line for line in lines if line.startswith("k=")]
     assert examples and all(" -> cell " in line and "; model: " in line for line in examples)
+    r = run("sample.py", "--out_dir=run", cwd=tmp_path)  # no text to sample: it points here
+    assert r.returncode == 2 and r.stderr == ("error: run was trained on the chains task, not on text: show its "
+                                              "answers with python depth_eval.py --out_dir=run\n")
 
 
 def test_a_missing_checkpoint_is_a_one_line_error(tmp_path):
