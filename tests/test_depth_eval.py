@@ -33,7 +33,3 @@ def test_depth_eval_reproduces_the_runs_accuracy_and_shows_examples(tmp_path):
     assert r.returncode == 2 and r.stderr == ("error: run was trained on the chains task, not on text: show its "
                                               "answers with python depth_eval.py --out_dir=run\n")
 
-
-def test_a_missing_checkpoint_is_a_one_line_error(tmp_path):
-    r = run("depth_eval.py", "--out_dir=nowhere", cwd=tmp_path)
-    assert r.returncode == 2 and r.stderr.startswith("error: no checkpoint at nowhere/ckpt.pt")
