@@ -48,7 +48,8 @@ class PointerChains:
         self.n_values, self.max_hops, self.block_size, self.seed, self.split = (n_values, max_hops, block_size, seed,
                                                                                 split)
         self.vocab_size = n_values + block_size
-        self.name = f"chains(values={n_values}, hops={max_hops}, cells={block_size})"  # for checkpoints: the "tokenizer"
+        # what a checkpoint names where a text run names its tokenizer
+        self.name = f"chains(values={n_values}, hops={max_hops}, cells={block_size})"
 
     def batch(self, index, batch_size):
         """(x, y), int64 tensors (batch_size, block_size): cells and answers (-1 at value cells)."""

@@ -99,7 +99,8 @@ def test_evaluate_runs_a_model_at_any_loop_count():
 @pytest.mark.parametrize("kwargs,message", [
     (dict(n_values=1), "chain_values must be >= 2"),
     (dict(max_hops=0), "chain_hops must be >= 1"),
-    (dict(block_size=5), "block_size=5 cannot hold a chain of chain_hops=6 pointers and its value: use block_size >= 7"),
+    (dict(block_size=5),
+     "block_size=5 cannot hold a chain of chain_hops=6 pointers and its value: use block_size >= 7"),
     (dict(split="test"), "unknown split 'test': use train or val"),
 ])
 def test_bad_settings_raise_naming_the_fix(kwargs, message):
