@@ -57,7 +57,7 @@ wandb_project = "deeploop"
 wandb_run_name = "run"
 # data
 dataset = "openwebtext"  # folder data/<dataset> from prepare_data.py (builtin and builtin_bytes prepare themselves),
-#                          or a task of tasks.py made on the fly: chains (pointer chains, a sequence of block_size cells)
+#                          or a task of tasks.py made on the fly: chains (pointer chains, block_size cells a sequence)
 chain_values = 8         # chains: the values a chain can start with (chance is 1 / chain_values)
 chain_hops = 6           # chains: pointers in the longest chain; accuracy is reported for k = 1 .. chain_hops
 # Micro-batches per optimizer step over ALL processes together (as in nanoGPT): each of the W DDP processes runs
