@@ -26,6 +26,9 @@ import os
 import numpy as np
 
 SPLITS = ("train", "val")
+# The seed of the evaluation batches: the same in every run on a dataset, whatever its seed, so that runs with other
+# seeds or schemes are compared on the same data; training never draws with it.
+EVAL_SEED = 2**32 - 1
 FORMAT = "deeploop-tokens"
 MAGIC = int.from_bytes(b"DLTOKENS", "little")  # a shard starts with these 8 ASCII bytes: `head -c 8` shows them
 VERSION = 1

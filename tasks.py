@@ -30,7 +30,6 @@ A library module: bad settings raise ValueError naming the fix.
 import numpy as np
 import torch
 
-TASKS = ("chains",)
 SPLITS = ("train", "val")
 
 
@@ -49,7 +48,8 @@ class PointerChains:
         self.n_values, self.max_hops, self.block_size, self.seed, self.split = (n_values, max_hops, block_size, seed,
                                                                                 split)
         self.vocab_size = n_values + block_size
-        self.name = f"chains(values={n_values}, hops={max_hops}, cells={block_size})"  # for checkpoints: the "tokenizer"
+        # what a checkpoint names where a text run names its tokenizer
+        self.name = f"chains(values={n_values}, hops={max_hops}, cells={block_size})"
 
     def batch(self, index, batch_size):
         """(x, y), int64 tensors (batch_size, block_size): cells and answers (-1 at value cells)."""
@@ -62,7 +62,8 @@ class PointerChains:
             cells = rng.integers(2, self.max_hops + 2, size=T)
             n_chains = np.searchsorted(np.cumsum(cells), T) + 1
             chain = rng.permutation(np.repeat(np.arange(n_chains), cells[:n_chains])[:T])
-            value = rng.integers(V, size=n_chains)
+            # distinct first values (while there are enough): a value seen twice would hint at the answer
+            value = rng.permutation(max(V, n_chains))[:n_chains] % V
             # cells in chain order: each one's predecessor in the chain is the cell before it in this order
             order = np.argsort(chain, kind="stable")
             first = np.r_[True, chain[order[1:]] != chain[order[:-1]]]
@@ -70,21 +71,28 @@ class PointerChains:
             y[row, order] = np.where(first, -1, value[chain[order]])
         return torch.from_numpy(x), torch.from_numpy(y)
 
+    def describe(self, cells, cell):
+        """The chain of a cell of one sequence (cells: (T,)) as text: 'cell 9 -> cell 4 -> cell 0 = 3'."""
+        path = [cell]
+        while cells[path[-1]] >= self.n_values:
+            path.append(cells[path[-1]].item() - self.n_values)
+        return " -> ".join(f"cell {c}" for c in path) + f" = {cells[path[-1]].item()}"
 
-def hops(x, n_values):
-    """k of every cell of x (B, T): 0 at a value, 1 + the k of the cell it points at."""
-    k = torch.zeros_like(x)
-    pointer = x >= n_values
-    for t in range(1, x.size(1)):  # a pointer names an earlier cell, whose k is known by then
-        parent = (x[:, t] - n_values).clamp(0, t - 1)
-        k[:, t] = torch.where(pointer[:, t], k.gather(1, parent[:, None])[:, 0] + 1, 0)
-    return k
+    def hops(self, x):
+        """k of every cell of x (B, T): 0 at a value, 1 + the k of the cell it points at."""
+        k = torch.zeros_like(x)
+        pointer = x >= self.n_values
+        for t in range(1, x.size(1)):  # a pointer names an earlier cell, whose k is known by then
+            parent = (x[:, t] - self.n_values).clamp(0, t - 1)
+            k[:, t] = torch.where(pointer[:, t], k.gather(1, parent[:, None])[:, 0] + 1, 0)
+        return k
 
 
-def hits_by_k(prediction, x, y, n_values, max_hops):
+def hits_by_k(task, prediction, x, y):
     """(hits, counts): float64 tensors (max_hops + 1,) of the right predictions and the answers at each k (index 0:
     value cells, never counted). prediction: (B, T) token ids."""
-    k = hops(x, n_values).flatten()
+    k = task.hops(x).flatten()
+    max_hops = task.max_hops
     answered = (y >= 0).flatten()
     right = (prediction == y).flatten() & answered
     counts = torch.bincount(k[answered], minlength=max_hops + 1)[:max_hops + 1].double()
@@ -97,13 +105,14 @@ def accuracy_by_k(hits, counts):
     return {str(k): hits[k].item() / counts[k].item() for k in range(1, len(counts)) if counts[k] > 0}
 
 
-def shortcuts(x, y, n_values, max_hops):
+def shortcuts(task, x, y):
     """Expected accuracy by k of guesses that do not follow the chains, on the batch (x, y), as
     {name: {"1": accuracy, ...}}:
         chance        1 / n_values
         latest value  the value of the nearest value cell before the answer
         most seen     the value seen most often before the answer (ties shared out evenly)"""
-    x, y = x.numpy(), y.numpy()
+    k = task.hops(x).numpy()
+    x, y, n_values = x.numpy(), y.numpy(), task.n_values
     B, T = x.shape
     is_value = x < n_values
     positions = np.where(is_value, np.arange(T), 0)
@@ -112,11 +121,10 @@ def shortcuts(x, y, n_values, max_hops):
                      axis=1)
     best = seen == seen.max(axis=2, keepdims=True)
     most_seen = np.take_along_axis(best, np.maximum(y, 0)[..., None], axis=2)[..., 0] / best.sum(axis=2)
-    k = hops(torch.from_numpy(x), n_values).numpy()
     result = {}
     for name, score in (("chance", np.full((B, T), 1 / n_values)), ("latest value", latest == y),
                         ("most seen", most_seen)):
-        result[name] = {str(j): float(score[k == j].mean()) for j in range(1, max_hops + 1) if (k == j).any()}
+        result[name] = {str(j): float(score[k == j].mean()) for j in range(1, task.max_hops + 1) if (k == j).any()}
     return result
 
 
@@ -128,3 +136,25 @@ def best_shortcut(table):
 def format_by_k(by_k):
     """A {"1": accuracy, ...} dict as one line of two-digit figures, k = 1 first."""
     return " ".join(f"{by_k[j]:.2f}" for j in sorted(by_k, key=int))
+
+
+TASKS = {"chains": PointerChains}
+
+
+def make_task(config, split, seed):
+    """The task of a run from its settings (train.py's globals, or a checkpoint's "config")."""
+    return TASKS[config["dataset"]](config["chain_values"], config["chain_hops"], config["block_size"], seed, split)
+
+
+@torch.no_grad()
+def evaluate(model, task, n_batches, batch_size, n_loop=None):
+    """Accuracy by k ({"1": accuracy, ...}) of a model.GPT on batches 0 .. n_batches - 1 of the task, run at n_loop
+    loops (None: as trained); the answer is the most likely token."""
+    model.eval()
+    hits = counts = 0
+    for index in range(n_batches):
+        x, y = task.batch(index, batch_size)
+        logits, _ = model(x.to(model.lm_head.weight.device), n_loop=n_loop)
+        batch_hits, batch_counts = hits_by_k(task, logits.argmax(-1).cpu(), x, y)
+        hits, counts = hits + batch_hits, counts + batch_counts
+    return accuracy_by_k(hits, counts)

@@ -39,10 +39,10 @@ from tqdm import tqdm
 
 from common import default_peak_flops, precision, tune_malloc
 from configurator import configure, die
-from dataset import TokenWindows, load_meta
+from dataset import EVAL_SEED, TokenWindows, load_meta
 from model import GPT, GPTConfig
 from prepare_data import prepare_builtin_if_missing
-from tasks import TASKS, PointerChains, accuracy_by_k, best_shortcut, format_by_k, hits_by_k, shortcuts
+from tasks import TASKS, accuracy_by_k, best_shortcut, format_by_k, hits_by_k, make_task, shortcuts
 
 # ---------------------------------------------------------------------------------------------------------------------
 # config; the defaults are a GPT-2-small-wide looped model on OpenWebText (like config/loop_small.py)
@@ -58,9 +58,9 @@ wandb_project = "deeploop"
 wandb_run_name = "run"
 # data
 dataset = "openwebtext"  # folder data/<dataset> from prepare_data.py (builtin and builtin_bytes prepare themselves),
-#                          or a task of tasks.py made on the fly: chains (pointer chains, one sequence = block_size cells)
+#                          or a task of tasks.py made on the fly: chains (pointer chains, block_size cells a sequence)
 chain_values = 8         # chains: the values a chain can start with (chance is 1 / chain_values)
-chain_hops = 16          # chains: pointers in the longest chain; accuracy is reported for k = 1 .. chain_hops
+chain_hops = 6           # chains: pointers in the longest chain; accuracy is reported for k = 1 .. chain_hops
 # Micro-batches per optimizer step over ALL processes together (as in nanoGPT): each of the W DDP processes runs
 # gradient_accumulation_steps / W of them, so a step sees the same tokens whatever the number of processes.
 gradient_accumulation_steps = 40
@@ -220,14 +220,12 @@ on_master(lock_out_dir)
 # The reader is a pure function of (seed, split, index): the data position is the step number, which makes resuming
 # exact and lets DDP ranks split a step's micro-batches between them. Evaluation windows are fixed and the same in
 # every run on a dataset, whatever its seed, so that runs with other seeds or schemes are compared on the same text;
-# the train-split ones are drawn with a seed that training does not use.
-EVAL_SEED = 2**32 - 1
+# the train-split ones are drawn with a seed that training does not use (EVAL_SEED).
 task = dataset in TASKS  # made on the fly: answers at some positions only, and their accuracy by k at evaluations
 try:
     if task:
-        train_data, train_eval_data, val_data = (
-            PointerChains(chain_values, chain_hops, block_size, s, split)
-            for s, split in ((seed, "train"), (EVAL_SEED, "train"), (EVAL_SEED, "val")))
+        train_data, train_eval_data, val_data = (make_task(globals(), split, s) for s, split in
+                                                 ((seed, "train"), (EVAL_SEED, "train"), (EVAL_SEED, "val")))
         meta = dict(tokenizer=val_data.name, vocab_size=val_data.vocab_size)
     else:
         # builtin and builtin_bytes are made here when missing (by the master; the others wait for it)
@@ -381,7 +379,7 @@ def estimate_loss():
                 logits, loss = model(*to_device((x, y)))
             total += loss.float()
             if task and split == "val":
-                batch_hits, batch_counts = hits_by_k(logits.argmax(-1).cpu(), x, y, chain_values, chain_hops)
+                batch_hits, batch_counts = hits_by_k(val_data, logits.argmax(-1).cpu(), x, y)
                 hits, counts = hits + batch_hits, counts + batch_counts
         if ddp:
             dist.all_reduce(total)
@@ -513,7 +511,7 @@ if master:
     if task:
         # guesses that do not follow the chains, scored on the evaluation's own val batches
         x, y = zip(*(val_data.batch(index, batch_size) for index in range(eval_iters)))
-        task_record = dict(shortcuts=shortcuts(torch.cat(x), torch.cat(y), chain_values, chain_hops))
+        task_record = dict(shortcuts=shortcuts(val_data, torch.cat(x), torch.cat(y)))
         print(f"{val_data.name}: chance {1 / chain_values:.3f}; the best shortcut (not following the chains) by k = "
               f"1..{chain_hops}: {format_by_k(best_shortcut(task_record['shortcuts']))}")
     log(dict(type="start", iter=iter_num, resumed=init_from == "resume", params=n_params, world_size=world_size,

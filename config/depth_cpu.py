@@ -7,7 +7,7 @@
 out_dir = "out-depth"
 dataset = "chains"
 chain_values = 8
-chain_hops = 8
+chain_hops = 6  # with pointer doubling two blocks can follow up to 4 pointers; k = 5 and 6 need more depth
 device = "cpu"
 dtype = "float32"  # a model this small is bound by per-operation overhead (see config/smoke_cpu.py)
 compile = False
@@ -16,10 +16,10 @@ n_layer = 2
 n_loop = 4  # unrolled depth 8
 n_head = 4
 n_embd = 64
-block_size = 32  # cells per sequence
-batch_size = 32
+block_size = 16  # cells per sequence
+batch_size = 64
 gradient_accumulation_steps = 1
-residual = "deeploop"
+residual = "preln"
 
 learning_rate = 3e-3
 max_iters = 1500
@@ -27,6 +27,6 @@ lr_decay_iters = 1500
 warmup_iters = 100
 min_lr = 3e-4
 
-eval_interval = 500
+eval_interval = 250
 eval_iters = 10
 log_interval = 50

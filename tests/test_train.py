@@ -594,3 +594,18 @@ def test_checkpoint_from_before_the_backbone_settings_resumes_as_gpt2_blocks(wor
         "config unchanged"]
     train(workdir, "--out_dir=old", "--init_from=resume", f"--max_iters={HALF + 1}", "--dropout=0.1")
     assert load(workdir / "old")["iter_num"] == HALF + 1
+
+
+def test_a_task_run_logs_accuracy_by_k_and_the_shortcuts(tmp_path):
+    """--dataset=chains: no data folder; the start record holds the shortcuts, every eval record the val accuracy by
+    k, the log line shows it, and a task run's checkpoint names the task where a text run names its tokenizer."""
+    r = train(tmp_path, "--dataset=chains", "--chain_values=4", "--chain_hops=3", "--block_size=12", "--max_iters=4",
+              "--out_dir=chains")
+    start, = records(tmp_path / "chains", "start")
+    assert start["shortcuts"]["chance"] == {"1": 0.25, "2": 0.25, "3": 0.25}
+    evals = records(tmp_path / "chains", "eval")
+    assert [e["iter"] for e in evals] == [0, 4] and all(sorted(e["accuracy"]) == ["1", "2", "3"] for e in evals)
+    assert all(0 <= a <= 1 for e in evals for a in e["accuracy"].values())
+    assert r.stdout.count("val accuracy by k = 1..3: ") == 2 and "the best shortcut" in r.stdout
+    assert load(tmp_path / "chains")["tokenizer"] == "chains(values=4, hops=3, cells=12)"
+    assert not (tmp_path / "data").exists()
