@@ -57,10 +57,9 @@ def time_block_matmuls(n_embd, rows, repeats=5):
     out, MLP in and out) on `rows` tokens of width n_embd. Rows are capped so that a repeat costs at most
     MEASURE_FLOPS (but are at least 8). Timed on one thread in the thread's CPU time: on a machine shared with other
     work, wall time measures the neighbours, and threads that wait for a descheduled one at every operation even more
-    so. The
-    precisions take turns, so that the load slows both alike; the first turn of each warms up (bfloat16 kernels are
-    generated on first use); no repeat starts after MEASURE_SECONDS, which keeps a CPU that emulates bfloat16 from
-    paying for it long. A private generator: the seeds stay put."""
+    so. The precisions take turns, so that the load slows both alike; the first turn of each warms up (bfloat16
+    kernels are generated on first use); no repeat starts after MEASURE_SECONDS, which keeps a CPU that emulates
+    bfloat16 from paying for it long. A private generator: the seeds stay put."""
     rows = max(8, min(rows, int(MEASURE_FLOPS / (72 * n_embd ** 2))))  # 2 x 3 (forward, backward) x 12 n_embd^2
     generator = torch.Generator().manual_seed(0)
     shapes = [(3 * n_embd, n_embd), (n_embd, n_embd), (4 * n_embd, n_embd), (n_embd, 4 * n_embd)]
