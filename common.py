@@ -55,11 +55,11 @@ def time_block_matmuls(n_embd, rows, repeats=5):
     """(float32 seconds, bfloat16 seconds, rows): the fastest of up to `repeats` runs of each precision, through
     autocast as training runs them, of the forward and backward of one block's four matrix products (attention in and
     out, MLP in and out) on `rows` tokens of width n_embd. Rows are capped so that a repeat costs at most
-    MEASURE_FLOPS. Timed on one thread in the thread's CPU time: on a machine shared with other work, wall time
-    measures the neighbours, and threads that wait for a descheduled one at every operation even more so. The
-    precisions take turns, so that the load slows both alike; the first turn of each warms up (bfloat16 kernels are
-    generated on first use); no repeat starts after MEASURE_SECONDS, which keeps a CPU that emulates bfloat16 from
-    paying for it long. A private generator: the seeds stay put."""
+    MEASURE_FLOPS (but are at least 8). Timed on one thread in the thread's CPU time: on a machine shared with other
+    work, wall time measures the neighbours, and threads that wait for a descheduled one at every operation even more
+    so. The precisions take turns, so that the load slows both alike; the first turn of each warms up (bfloat16
+    kernels are generated on first use); no repeat starts after MEASURE_SECONDS, which keeps a CPU that emulates
+    bfloat16 from paying for it long. A private generator: the seeds stay put."""
     rows = max(8, min(rows, int(MEASURE_FLOPS / (72 * n_embd ** 2))))  # 2 x 3 (forward, backward) x 12 n_embd^2
     generator = torch.Generator().manual_seed(0)
     shapes = [(3 * n_embd, n_embd), (n_embd, n_embd), (4 * n_embd, n_embd), (n_embd, 4 * n_embd)]
@@ -68,18 +68,20 @@ def time_block_matmuls(n_embd, rows, repeats=5):
     best = dict(float32=math.inf, bfloat16=math.inf)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    start = time.thread_time()
-    for repeat in range(repeats + 1):
-        if repeat > 1 and time.thread_time() - start > MEASURE_SECONDS:
-            break
-        for dtype in best:
-            t0 = time.thread_time()
-            with autocast_context("cpu", dtype):
-                loss = sum(F.linear(inputs[w.size(1)], w).float().sum() for w in weights)
-            torch.autograd.grad(loss, [*weights, *inputs.values()])
-            if repeat:
-                best[dtype] = min(best[dtype], time.thread_time() - t0)
-    torch.set_num_threads(threads)
+    try:
+        start = time.thread_time()
+        for repeat in range(repeats + 1):
+            if repeat > 1 and time.thread_time() - start > MEASURE_SECONDS:
+                break
+            for dtype in best:
+                t0 = time.thread_time()
+                with autocast_context("cpu", dtype):
+                    loss = sum(F.linear(inputs[w.size(1)], w).float().sum() for w in weights)
+                torch.autograd.grad(loss, [*weights, *inputs.values()])
+                if repeat:
+                    best[dtype] = min(best[dtype], time.thread_time() - t0)
+    finally:
+        torch.set_num_threads(threads)
     return best["float32"], best["bfloat16"], rows
 
 

@@ -284,19 +284,18 @@ class GPT(nn.Module):
     def _loss(self, logits, targets):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
-    def forward(self, idx, targets=None, n_loop=None, kv_cache=None, head=None):
+    def forward(self, idx, targets=None, n_loop=None, kv_cache=None, last_only=False, head=None):
         """Logits for every position, and the mean cross-entropy when targets are given (-1 = ignore).
         n_loop runs another loop count than the model was built with (test-time depth); alpha stays as built.
-        Used by generate(): kv_cache, a list with one KVCache per unrolled visit, and head, generate's copy of the
-        output layer's weight (n_embd, vocab): with it only the last position gets logits."""
+        Used by generate(): kv_cache, a list with one KVCache per unrolled visit; last_only, which spares the
+        output layer all positions but the last; head, generate's copy of the output layer's weight (n_embd, vocab)
+        to multiply by instead of calling lm_head."""
         start = kv_cache[0].past if kv_cache else 0
         x, rope = self._embed(idx, start), self._rope(start, idx.size(1))
         for i, block in enumerate(self._visits(n_loop)):
             x = block(x, kv_cache[i] if kv_cache is not None else None, rope)
-        if head is not None:
-            logits = self.transformer.ln_f(x[:, -1:]) @ head
-        else:
-            logits = self.lm_head(self.transformer.ln_f(x))
+        x = self.transformer.ln_f(x[:, -1:] if last_only else x)
+        logits = x @ head if head is not None else self.lm_head(x)
         return logits, None if targets is None else self._loss(logits, targets)
 
     @torch.no_grad()
@@ -319,17 +318,21 @@ class GPT(nn.Module):
         visits = len(self._visits(n_loop))
         # A decode step reads every weight once and the output layer is most of them. F.linear reads the stored
         # (vocab, n_embd) matrix far below the memory bandwidth, a product with this transposed contiguous copy near
-        # it (docs/speed.md); the copy is in the precision the steps compute in: under autocast its dtype.
-        weight, device_type = self.lm_head.weight, idx.device.type
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
-        head = weight.to(dtype).t().contiguous()
+        # it (docs/speed.md); the copy is in the precision the steps compute in: under autocast its dtype. An output
+        # layer swapped for another module (eval_downstream's float32 one) keeps its own product.
+        head, device_type = None, idx.device.type
+        if isinstance(self.lm_head, nn.Linear):
+            weight = self.lm_head.weight
+            dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+            head = weight.to(dtype).t().contiguous()
         kv_cache = None
         for _ in range(max_new_tokens):
             if use_cache and kv_cache and kv_cache[0].past < self.config.block_size:
-                logits, _ = self(idx[:, -1:], n_loop=n_loop, kv_cache=kv_cache, head=head)
+                logits, _ = self(idx[:, -1:], n_loop=n_loop, kv_cache=kv_cache, last_only=True, head=head)
             else:
                 kv_cache = [KVCache() for _ in range(visits)] if use_cache else None
-                logits, _ = self(idx[:, -self.config.block_size:], n_loop=n_loop, kv_cache=kv_cache, head=head)
+                logits, _ = self(idx[:, -self.config.block_size:], n_loop=n_loop, kv_cache=kv_cache,
+                                 last_only=True, head=head)
             # the softmax in float32 whatever the step computed in, over the real vocabulary only
             logits = logits[:, -1, :vocab_size_limit].float() / temperature
             if top_k is not None:  # sample among the top_k candidates only: far cheaper than masking a large vocab

@@ -226,7 +226,8 @@ def test_decode_floor_counts_each_weight_once_and_the_cache_of_every_visit():
     head = 128 * 32  # the output layer, tied to the token embedding
     cache = 2 * 6 * 3 * 10 * 32  # keys and values, 6 visits, 3 sequences, 10 positions, width 32
     assert model.decode_step_bytes(3, 10, 4) == 4 * (2 * block + head + cache) == 164096
-    assert model.decode_step_bytes(3, 10, 2, n_loop=5) == 2 * (2 * block + head + cache * 10 // 6)  # bfloat16, 10 visits
+    # bfloat16, and 10 visits instead of 6
+    assert model.decode_step_bytes(3, 10, 2, n_loop=5) == 2 * (2 * block + head + cache * 10 // 6)
 
 
 def test_one_token_decode_step_attends_without_a_mask(monkeypatch):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dataset import read_shard
+from plot import read_metrics
 from prepare_data import prepare_builtin_if_missing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -166,8 +167,18 @@ def test_a_tiny_real_sweep_records_kappa_and_resumes(tmp_path):
     preln = json.loads((out / "runs" / "preln_R1_p0_lr0.001_seed0" / "result.json").read_text())
     assert preln["kappa"] == pytest.approx(1.0)  # one visit per block: nothing to align
     assert r.stdout.count(" s)\n") == 4
-    r = sweep(*args)  # finished runs are not trained again
+    # one precision for all runs, measured once by the sweep (which one depends on this CPU)
+    dtype = result["dtype"]
+    assert f"dtype {dtype} for every run: one block's matrix products" in r.stdout
+    assert {records[0]["config"]["dtype"] for records in (read_metrics(out / "runs" / name / "metrics.jsonl")
+                                                          for name in os.listdir(out / "runs"))} == {dtype}
+    r = sweep(*args)  # finished runs are not trained again, and the sweep keeps their precision
     assert r.returncode == 0 and " s)\n" not in r.stdout
+    assert f"dtype {dtype} for every run: the precision of the runs in {out}" in r.stdout
+    other = "bfloat16" if dtype == "float32" else "float32"
+    r = sweep(*args, f"--dtype={other}", "--loops=1,2,3")
+    assert r.returncode == 2 and r.stderr == f"error: {out} holds runs in {dtype}; a sweep keeps one precision: " \
+                                             f"leave --dtype at auto or choose another --out_dir\n"
 
 
 @pytest.mark.parametrize("args,message", [

@@ -166,6 +166,17 @@ def test_a_float32_run_resumes_in_half_precision(dtype, workdir, first_half):
     assert abs(losses[HALF] - first[HALF - 1]) < 0.5  # carries on from where the float32 run stopped
 
 
+def test_a_resumed_run_keeps_its_checkpoints_precision_without_measuring(workdir, first_half):
+    """dtype=auto on a CPU measures, and a measurement may pick differently on a busy machine: a resumed run keeps
+    the precision its checkpoint was trained in, so that no run changes precision halfway."""
+    half_dir, _ = first_half
+    shutil.copytree(half_dir, workdir / "resumed_auto")
+    result = train(workdir, "--out_dir=resumed_auto", f"--max_iters={HALF + 1}", "--dropout=0.1", "--init_from=resume",
+                   "--dtype=auto")
+    assert "dtype float32: the precision its checkpoint was trained in (a measurement could differ)" in \
+        result.stdout.splitlines()
+
+
 def test_nan_loss_stops_and_keeps_the_last_checkpoint(workdir, first_half):
     half_dir, _ = first_half
     shutil.copytree(half_dir, workdir / "diverged")
