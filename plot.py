@@ -1,6 +1,8 @@
 """
 Training curves of train.py runs, side by side in one PNG: train and val loss against tokens seen, and kappa_R of
-each physical block at every evaluation (1: the visits' gradients are orthogonal; n_loop: they all point one way).
+each physical block at every evaluation (1: the visits' gradients are orthogonal; n_loop: they all point one way);
+below them test-time depth: val loss at each evaluated loop count (train.py's eval_loops) against tokens, and against
+the loop count at the last evaluation.
 
     python plot.py out-smoke
     python plot.py out-deeploop out-deepnorm out-unlooped --png=compare.png
@@ -28,6 +30,16 @@ def read_metrics(path):
     return [json.loads(line) for line in lines if line]
 
 
+def sampled_loops(config):
+    """How a run drew its training loop counts, for its legend entry; "" for a fixed count (n_loop)."""
+    sampling = config.get("loop_sampling", "fixed")
+    if sampling == "fixed":
+        return ""
+    drawn = f"{config['loop_min']}..{config['loop_max']}" if sampling == "uniform" else f"mean {config['loop_mean']:g}"
+    backprop = f", backprop {config['backprop_loops']}" if config.get("backprop_loops") else ""
+    return f" (trained at {sampling} {drawn}{backprop})"
+
+
 def curves(run_dir):
     """(config, {kind: [records by step]}) of one run. A resumed run may hold steps twice (those after its
     last checkpoint, run again): the later record of each step wins."""
@@ -51,7 +63,7 @@ if __name__ == "__main__":
     if not run_dirs:
         die("name the runs to plot: python plot.py out-a out-b ... (folders that train.py wrote)")
     runs = [(run_dir, *curves(run_dir)) for run_dir in run_dirs]
-    labels = [f"{config['residual']}, n_loop={config['n_loop']}" for _, config, _ in runs]
+    labels = [f"{config['residual']}, n_loop={config['n_loop']}" + sampled_loops(config) for _, config, _ in runs]
     labels = [label + (f" ({run_dir})" if labels.count(label) > 1 else "")
               for label, (run_dir, _, _) in zip(labels, runs)]
 
@@ -59,7 +71,7 @@ if __name__ == "__main__":
     matplotlib.use("Agg")  # files only, no window
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_kappa) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, ((ax_loss, ax_kappa), (ax_depth, ax_last)) = plt.subplots(2, 2, figsize=(13, 10))
     for color, label, (_, config, kinds) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"] * len(runs),
                                                 labels, runs):
         train, evals = kinds.get("train", []), kinds.get("eval", [])
@@ -70,9 +82,20 @@ if __name__ == "__main__":
             ax_kappa.plot([r["tokens"] for r in evals], [r["loop"]["kappa"][block] for r in evals], "o-", color=color,
                           ms=3, alpha=1 - 0.6 * block / config["n_layer"],
                           label=f"{label}: blocks 0-{config['n_layer'] - 1}" if block == 0 else None)
+        evals = [r for r in evals if "val_loss_by_loops" in r]  # runs from before train.py's eval_loops have none
+        if evals:
+            loop_counts = list(evals[-1]["val_loss_by_loops"])
+            for i, loops in enumerate(loop_counts):
+                ax_depth.plot([r["tokens"] for r in evals], [r["val_loss_by_loops"][loops] for r in evals], "o-",
+                              color=color, ms=2, lw=1, alpha=1 - 0.7 * i / len(loop_counts),
+                              label=f"{label}: {', '.join(loop_counts)} loops" if i == 0 else None)
+            ax_last.plot([int(loops) for loops in loop_counts], list(evals[-1]["val_loss_by_loops"].values()), "o-",
+                         color=color, ms=4, label=f"{label}: step {evals[-1]['iter']}")
     ax_loss.set(xlabel="tokens", ylabel="loss (nats)", title="train and val loss")
     ax_kappa.set(xlabel="tokens", ylabel="kappa_R", title="kappa_R per block (paler: later blocks)")
-    for ax in (ax_loss, ax_kappa):
+    ax_depth.set(xlabel="tokens", ylabel="val loss (nats)", title="val loss at each test-time loop count (paler: more)")
+    ax_last.set(xlabel="loop count at test time", ylabel="val loss (nats)", title="test-time depth, last evaluation")
+    for ax in (ax_loss, ax_kappa, ax_depth, ax_last):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -39,7 +39,7 @@ from tqdm import tqdm
 from common import default_peak_flops, precision, tune_malloc
 from configurator import configure, die
 from dataset import TokenWindows, load_meta
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, TrainLoops
 from prepare_data import prepare_builtin_if_missing
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -73,6 +73,14 @@ residual_exponent = 0.0  # p of alpha = (2N)^p, beta = (8N)^-p for deeploop/deep
 norm = "layernorm"       # layernorm | rmsnorm
 position_encoding = "learned"  # learned | rope
 norm_branch_input = False  # Post-LN blocks as x = Norm(alpha * x + f(Norm(x))), the DeepLoop paper's form
+# Loop counts for test-time depth (model.TrainLoops). n_loop stays the count of evaluations and of sample.py
+loop_sampling = "fixed"  # fixed: every step runs n_loop; uniform: loop_min..loop_max; lognormal_poisson: mean loop_mean
+loop_min = 0
+loop_max = 0
+loop_mean = 0.0
+backprop_loops = 0       # gradients through the last this many loops of a step only; 0: through all of them
+coefficient_loops = 0    # alpha and beta from the unrolled depth n_layer * coefficient_loops; 0: n_loop
+eval_loops = ""          # val loss at these loop counts too, e.g. "1,2,3,4"; "": 1, n_loop and 2 * n_loop
 # AdamW; weight decay applies to matrices only (model.configure_optimizers)
 learning_rate = 6e-4
 max_iters = 600000
@@ -101,6 +109,17 @@ if dtype not in ("auto", "float32", "bfloat16", "float16"):
     die(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
 if min(eval_interval, eval_iters, log_interval, gradient_accumulation_steps, batch_size) < 1:
     die("eval_interval, eval_iters, log_interval, gradient_accumulation_steps and batch_size must all be >= 1")
+try:
+    train_loops = TrainLoops(loop_sampling, loop_min, loop_max, loop_mean, backprop_loops)
+except ValueError as e:
+    die(str(e))
+try:
+    eval_loop_counts = [int(c) for c in eval_loops.split(",")] if eval_loops else [1, 2 * n_loop]
+except ValueError:
+    eval_loop_counts = [0]
+if min(eval_loop_counts) < 1:
+    die(f"eval_loops must be loop counts >= 1 separated by commas, like \"1,2,4\", got {eval_loops!r}")
+eval_loop_counts = sorted({n_loop, *eval_loop_counts})  # n_loop's val loss is the one that val_loss reports
 
 # Stopping on request. The handler only takes note; the training loop stops at the start of its next step, when
 # every DDP process has learnt of it (see agree). Before the loop there is nothing to save, and a signal stops at once.
@@ -236,7 +255,7 @@ def to_device(batch):
 model_args = dict(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_loop=n_loop, n_head=n_head,
                   n_embd=n_embd, dropout=dropout, bias=bias, residual=residual,
                   residual_exponent=residual_exponent, norm=norm, position_encoding=position_encoding,
-                  norm_branch_input=norm_branch_input)
+                  norm_branch_input=norm_branch_input, coefficient_loops=coefficient_loops)
 try:
     gpt_config = GPTConfig(**model_args)
 except ValueError as e:
@@ -257,6 +276,10 @@ else:
     # against the loaded model's config: a checkpoint older than a setting means its default
     changed = [f"{k}={v!r} (checkpoint: {getattr(raw_model.config, k)!r})" for k, v in model_args.items()
                if getattr(raw_model.config, k) != v]
+    # the loop counts a run trains with are in its config; a checkpoint older than them trained at fixed n_loop
+    changed += [f"{k}={v!r} (checkpoint: {checkpoint['config'].get(k, default)!r})"
+                for (k, v), default in zip(vars(train_loops).items(), vars(TrainLoops()).values())
+                if checkpoint["config"].get(k, default) != v]
     if changed:
         die(f"resuming {ckpt_path} with another model: {', '.join(changed)}; use the run's config unchanged")
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
@@ -302,7 +325,9 @@ if init_from == "resume":
               f"dropout masks will differ from an uninterrupted run")
     del checkpoint  # frees its copy of the weights and optimizer state
 model = torch.compile(raw_model) if compile else raw_model  # evaluation runs this one: no DDP collectives
-ddp_model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None) if ddp else model
+# backprop_loops leaves the position embedding without a gradient, which DDP must be told about
+ddp_model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None,
+                find_unused_parameters=backprop_loops > 0) if ddp else model
 
 
 def gather(obj):
@@ -349,18 +374,22 @@ def save_checkpoint(evaluated):
 
 @torch.no_grad()
 def estimate_loss():
-    """Mean loss over eval_iters fixed batches per split; DDP processes share the batches out and sum."""
+    """Mean loss over eval_iters fixed batches per split, the train split at n_loop and the val split at each of
+    eval_loop_counts (test-time depth) -> dict(train=, val= (at n_loop), val_by_loops={loops: loss}). DDP processes
+    share the batches out and sum."""
     model.eval()
     losses = {}
-    for split, data in (("train", train_eval_data), ("val", val_data)):
-        total = torch.zeros((), device=device)
+    for split, data, loop_counts in (("train", train_eval_data, [n_loop]), ("val", val_data, eval_loop_counts)):
+        totals = torch.zeros(len(loop_counts), device=device)
         for index in range(rank, eval_iters, world_size):
             x, y = to_device(data.batch(index, batch_size))
-            with autocast:
-                total += model(x, y)[1].float()
+            for i, loops in enumerate(loop_counts):
+                with autocast:
+                    totals[i] += model(x, y, n_loop=loops)[1].float()
         if ddp:
-            dist.all_reduce(total)
-        losses[split] = total.item() / eval_iters
+            dist.all_reduce(totals)
+        losses[split + "_by_loops"] = dict(zip(loop_counts, (totals / eval_iters).tolist()))
+        losses[split] = losses[split + "_by_loops"][n_loop]
     model.train()
     return losses
 
@@ -536,10 +565,13 @@ while True:
         save_checkpoint(evaluated=True)
         if master:
             kappa = diagnostics["kappa"]
+            by_loops = losses["val_by_loops"]
             tqdm.write(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, kappa_R "
-                       f"(R={n_loop}) min {min(kappa):.2f} mean {sum(kappa) / len(kappa):.2f} max {max(kappa):.2f}")
+                       f"(R={n_loop}) min {min(kappa):.2f} mean {sum(kappa) / len(kappa):.2f} max {max(kappa):.2f}; "
+                       f"val loss at {'/'.join(map(str, by_loops))} loops "
+                       f"{'/'.join(f'{loss:.3f}' for loss in by_loops.values())}")
             log(dict(type="eval", iter=iter_num, tokens=iter_num * tokens_per_iter, train_loss=losses["train"],
-                     val_loss=losses["val"], loop=diagnostics))
+                     val_loss=losses["val"], val_loss_by_loops=by_loops, loop=diagnostics))
         window_start, window_steps = time.perf_counter(), 0  # evaluation time does not count against tokens/s
     if iter_num >= max_iters:
         break
@@ -548,13 +580,15 @@ while True:
     for group in optimizer.param_groups:
         group["lr"] = lr
     loss_sum = torch.zeros((), device=device)
+    step_loops = train_loops.draw(seed, iter_num) or n_loop  # the same on every process and micro-batch
     for micro in range(accum_steps):
         x, y = to_device(train_data.batch(iter_num * gradient_accumulation_steps + rank * accum_steps + micro,
                                           batch_size))
         # DDP averages gradients over processes in backward; only the last micro-batch's backward needs to
         with ddp_model.no_sync() if ddp and micro < accum_steps - 1 else nullcontext():
             with autocast:
-                loss = ddp_model(x, y)[1]  # not holding on to the (B, T, vocab) logits: backward needs less memory
+                # not holding on to the (B, T, vocab) logits: backward needs less memory
+                loss = ddp_model(x, y, n_loop=step_loops, backprop_loops=backprop_loops)[1]
             scaler.scale(loss / accum_steps).backward()
         loss_sum += loss.detach().float()
     pending_losses.append((iter_num, loss_sum))
@@ -572,6 +606,7 @@ while True:
             tokens_per_sec = tokens_per_iter / dt
             mfu = raw_model.estimate_mfu(tokens_per_iter, dt, peak_flops * world_size)
             log(dict(type="train", iter=iter_num, tokens=(iter_num + 1) * tokens_per_iter, loss=loss_value, lr=lr,
+                     loops=step_loops,
                      grad_norm=grad_norm.item() if grad_norm.isfinite() else None,  # inf: a skipped float16 step
                      tokens_per_sec=tokens_per_sec, mfu=mfu))
             window_start, window_steps = time.perf_counter(), 0
