@@ -315,7 +315,7 @@ def test_model_module_imports_nothing_of_the_project_and_never_exits():
     with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model.py")) as f:
         source = f.read()
     imported = {line.split()[1].split(".")[0] for line in source.splitlines() if line.startswith(("import ", "from "))}
-    assert imported == {"inspect", "math", "os", "dataclasses", "torch"}
+    assert imported == {"contextlib", "inspect", "math", "os", "dataclasses", "numpy", "torch"}
     assert "exit(" not in source and "die(" not in source
 
 
