@@ -357,7 +357,8 @@ class GPT(nn.Module):
         """Logits for every position, and the mean cross-entropy when targets are given (-1 = ignore).
         n_loop runs another loop count than the model was built with (test-time depth); alpha stays as built.
         backprop_loops > 0 runs all loops but the last backprop_loops without autograd (Huginn's truncated backprop):
-        no gradient reaches the blocks' earlier visits, nor the position embedding and ln_e, which only they read.
+        no gradient reaches the blocks' earlier visits, nor the position embedding and ln_e, which only they read
+        (Huginn feeds the embedded input into every loop, so its embedding layers still learn; this model does not).
         Used by generate(): kv_cache, a list with one KVCache per unrolled visit, and last_only, which spares the
         output layer all positions but the last."""
         start = kv_cache[0].past if kv_cache else 0

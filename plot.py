@@ -101,3 +101,14 @@ if __name__ == "__main__":
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     print(f"wrote {png}: {'; '.join(labels)}")
+    # the last panel as a table, for runs evaluated at several loop counts
+    depth = {label: kinds["eval"][-1].get("val_loss_by_loops", {}) for label, (_, _, kinds) in zip(labels, runs)
+             if "eval" in kinds}
+    depth = {label: by_loops for label, by_loops in depth.items() if len(by_loops) > 1}
+    if depth:
+        counts = sorted({int(loops) for by_loops in depth.values() for loops in by_loops})
+        print(f"\nval loss at the last evaluation, by loop count at test time:\n\n| run | "
+              f"{' | '.join(map(str, counts))} |\n|---|{'---|' * len(counts)}")
+        for label, by_loops in depth.items():
+            print(f"| {label} | " + " | ".join(f"{by_loops[str(c)]:.3f}" if str(c) in by_loops else "" for c in counts)
+                  + " |")

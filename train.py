@@ -80,7 +80,9 @@ loop_max = 0
 loop_mean = 0.0
 backprop_loops = 0       # gradients through the last this many loops of a step only; 0: through all of them
 coefficient_loops = 0    # alpha and beta from the unrolled depth n_layer * coefficient_loops; 0: n_loop
-eval_loops = ""          # val loss at these loop counts too, e.g. "1,2,3,4"; "": 1, n_loop and 2 * n_loop
+# val loss at these loop counts too, e.g. "1,2,3,4"; "": 1 and 2 * n_loop with sampled loop counts, none with fixed
+# ones (each count costs evaluation time, and under torch.compile a compilation)
+eval_loops = ""
 # AdamW; weight decay applies to matrices only (model.configure_optimizers)
 learning_rate = 6e-4
 max_iters = 600000
@@ -114,10 +116,11 @@ try:
 except ValueError as e:
     die(str(e))
 try:
-    eval_loop_counts = [int(c) for c in eval_loops.split(",")] if eval_loops else [1, 2 * n_loop]
+    eval_loop_counts = [int(c) for c in eval_loops.split(",")] if eval_loops else \
+        [1, 2 * n_loop] if loop_sampling != "fixed" else []
 except ValueError:
     eval_loop_counts = [0]
-if min(eval_loop_counts) < 1:
+if min(eval_loop_counts, default=1) < 1:
     die(f"eval_loops must be loop counts >= 1 separated by commas, like \"1,2,4\", got {eval_loops!r}")
 eval_loop_counts = sorted({n_loop, *eval_loop_counts})  # n_loop's val loss is the one that val_loss reports
 
@@ -510,6 +513,9 @@ if master:
           f"({meta['tokenizer']}), {tokens_per_iter:,} tokens per step on {world_size} x {device} in {dtype}, "
           f"MFU against {peak_flops:.3g} FLOP/s per device ({peak_source})")
     print(f"dtype {dtype}: {dtype_reason}")
+    if loop_sampling != "fixed" or backprop_loops:
+        print(f"training loop counts: {loop_sampling}, mean {train_loops.mean or n_loop:g}"
+              f"{f', backprop through the last {backprop_loops}' if backprop_loops else ''}; evaluation at {n_loop}")
     log(dict(type="start", iter=iter_num, resumed=init_from == "resume", params=n_params, world_size=world_size,
              config={k: globals()[k] for k in config}))
 
@@ -566,10 +572,11 @@ while True:
         if master:
             kappa = diagnostics["kappa"]
             by_loops = losses["val_by_loops"]
+            depth = f"; val loss at {'/'.join(map(str, by_loops))} loops " \
+                    f"{'/'.join(f'{loss:.3f}' for loss in by_loops.values())}" if len(by_loops) > 1 else ""
             tqdm.write(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, kappa_R "
-                       f"(R={n_loop}) min {min(kappa):.2f} mean {sum(kappa) / len(kappa):.2f} max {max(kappa):.2f}; "
-                       f"val loss at {'/'.join(map(str, by_loops))} loops "
-                       f"{'/'.join(f'{loss:.3f}' for loss in by_loops.values())}")
+                       f"(R={n_loop}) min {min(kappa):.2f} mean {sum(kappa) / len(kappa):.2f} max {max(kappa):.2f}"
+                       f"{depth}")
             log(dict(type="eval", iter=iter_num, tokens=iter_num * tokens_per_iter, train_loss=losses["train"],
                      val_loss=losses["val"], val_loss_by_loops=by_loops, loop=diagnostics))
         window_start, window_steps = time.perf_counter(), 0  # evaluation time does not count against tokens/s

@@ -219,6 +219,10 @@ def test_two_ddp_processes_equal_one_with_twice_the_accumulation(workdir):
     ddp_losses = [r["loss"] for r in records(workdir / "ddp", "train")]
     assert ddp_losses == pytest.approx(single_losses, rel=1e-6) and len(ddp_losses) == 3
     assert [r["loops"] for r in records(workdir / "ddp", "train")] == [2, 1, 2]  # TrainLoops.draw(1337, 0..2)
+    by_loops = records(workdir / "ddp", "eval")[-1]["val_loss_by_loops"]  # sampled: 1, n_loop and 2 * n_loop
+    assert list(by_loops) == ["1", "2", "4"]
+    assert list(by_loops.values()) == pytest.approx(
+        list(records(workdir / "single", "eval")[-1]["val_loss_by_loops"].values()), rel=1e-6)
     assert records(workdir / "ddp", "eval")[-1]["val_loss"] == pytest.approx(
         records(workdir / "single", "eval")[-1]["val_loss"], rel=1e-6)
 
@@ -236,6 +240,11 @@ def test_sampled_loop_counts_continue_on_resume_and_evaluations_report_several_d
                    "--loop_min=1", "--loop_max=4", expect_rc=2)
     assert result.stderr == ("error: resuming sampled/ckpt.pt with another model: loop_max=4 (checkpoint: 3); use the "
                              "run's config unchanged\n")
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), "sampled", "--png=sampled.png"],
+                            cwd=workdir, env=ENV, capture_output=True, text=True, timeout=120)
+    by_loops = records(workdir / "sampled", "eval")[-1]["val_loss_by_loops"]
+    assert result.stdout.splitlines()[-1] == "| deeploop, n_loop=2 (trained at uniform 1..3) | " + \
+        " | ".join(f"{by_loops[loops]:.3f}" for loops in "123") + " |"
 
 
 def test_builtin_data_is_prepared_on_demand_and_kappa_is_one_without_looping(tmp_path):
