@@ -41,6 +41,7 @@ from configurator import configure, die
 from dataset import TokenWindows, load_meta
 from model import GPT, GPTConfig, TrainLoops
 from prepare_data import prepare_builtin_if_missing
+from tasks import TASKS, PointerChains, accuracy_by_k, best_shortcut, format_by_k, hits_by_k, shortcuts
 
 # ---------------------------------------------------------------------------------------------------------------------
 # config; the defaults are a GPT-2-small-wide looped model on OpenWebText (like config/loop_small.py)
@@ -55,7 +56,10 @@ wandb_log = False        # also log to Weights & Biases (needs `pip install wand
 wandb_project = "deeploop"
 wandb_run_name = "run"
 # data
-dataset = "openwebtext"  # folder data/<dataset> from prepare_data.py; builtin and builtin_bytes prepare themselves
+dataset = "openwebtext"  # folder data/<dataset> from prepare_data.py (builtin and builtin_bytes prepare themselves),
+#                          or a task of tasks.py made on the fly: chains (pointer chains, one sequence = block_size cells)
+chain_values = 8         # chains: the values a chain can start with (chance is 1 / chain_values)
+chain_hops = 16          # chains: pointers in the longest chain; accuracy is reported for k = 1 .. chain_hops
 # Micro-batches per optimizer step over ALL processes together (as in nanoGPT): each of the W DDP processes runs
 # gradient_accumulation_steps / W of them, so a step sees the same tokens whatever the number of processes.
 gradient_accumulation_steps = 40
@@ -230,19 +234,26 @@ def lock_out_dir():
 
 
 on_master(lock_out_dir)
-# data: builtin and builtin_bytes are made here when missing (by the master; the others wait for it)
-on_master(lambda: prepare_builtin_if_missing(dataset))
-data_dir = os.path.join("data", dataset)
 # The reader is a pure function of (seed, split, index): the data position is the step number, which makes resuming
 # exact and lets DDP ranks split a step's micro-batches between them. Evaluation windows are fixed and the same in
 # every run on a dataset, whatever its seed, so that runs with other seeds or schemes are compared on the same text;
 # the train-split ones are drawn with a seed that training does not use.
 EVAL_SEED = 2**32 - 1
+task = dataset in TASKS  # made on the fly: answers at some positions only, and their accuracy by k at evaluations
 try:
-    meta = load_meta(data_dir)  # a missing dataset: the error names the command that prepares it
-    train_data = TokenWindows(data_dir, "train", block_size, seed)
-    train_eval_data = TokenWindows(data_dir, "train", block_size, EVAL_SEED)
-    val_data = TokenWindows(data_dir, "val", block_size, EVAL_SEED)
+    if task:
+        train_data, train_eval_data, val_data = (
+            PointerChains(chain_values, chain_hops, block_size, s, split)
+            for s, split in ((seed, "train"), (EVAL_SEED, "train"), (EVAL_SEED, "val")))
+        meta = dict(tokenizer=val_data.name, vocab_size=val_data.vocab_size)
+    else:
+        # builtin and builtin_bytes are made here when missing (by the master; the others wait for it)
+        on_master(lambda: prepare_builtin_if_missing(dataset))
+        data_dir = os.path.join("data", dataset)
+        meta = load_meta(data_dir)  # a missing dataset: the error names the command that prepares it
+        train_data = TokenWindows(data_dir, "train", block_size, seed)
+        train_eval_data = TokenWindows(data_dir, "train", block_size, EVAL_SEED)
+        val_data = TokenWindows(data_dir, "val", block_size, EVAL_SEED)
 except (ValueError, FileNotFoundError) as e:
     die(str(e))
 vocab_size = -(-meta["vocab_size"] // 64) * 64  # the tokenizer's n_vocab padded to a multiple of 64: faster matmuls
@@ -378,23 +389,33 @@ def save_checkpoint(evaluated):
 @torch.no_grad()
 def estimate_loss():
     """Mean loss over eval_iters fixed batches per split, the train split at n_loop and the val split at each of
-    eval_loop_counts (test-time depth) -> dict(train=, val= (at n_loop), val_by_loops={loops: loss}). DDP processes
-    share the batches out and sum."""
+    eval_loop_counts (test-time depth); DDP processes share the batches out and sum. -> (losses, accuracy):
+    losses = dict(train=, val= (at n_loop), val_by_loops={loops: loss}); on a task, accuracy = the val split's
+    accuracy by k at each loop count ({loops: {"1": accuracy, ...}}; else None): the answer is the most likely token."""
     model.eval()
-    losses = {}
+    losses, accuracy = {}, None
     for split, data, loop_counts in (("train", train_eval_data, [n_loop]), ("val", val_data, eval_loop_counts)):
         totals = torch.zeros(len(loop_counts), device=device)
+        hits, counts = (torch.zeros(len(loop_counts), chain_hops + 1, dtype=torch.float64) for _ in range(2))
         for index in range(rank, eval_iters, world_size):
-            x, y = to_device(data.batch(index, batch_size))
+            x, y = data.batch(index, batch_size)
+            inputs = to_device((x, y))
             for i, loops in enumerate(loop_counts):
                 with autocast:
-                    totals[i] += model(x, y, n_loop=loops)[1].float()
+                    logits, loss = model(*inputs, n_loop=loops)
+                totals[i] += loss.float()
+                if task and split == "val":
+                    batch_hits, batch_counts = hits_by_k(logits.argmax(-1).cpu(), x, y, chain_values, chain_hops)
+                    hits[i], counts[i] = hits[i] + batch_hits, counts[i] + batch_counts
         if ddp:
             dist.all_reduce(totals)
         losses[split + "_by_loops"] = dict(zip(loop_counts, (totals / eval_iters).tolist()))
         losses[split] = losses[split + "_by_loops"][n_loop]
+        if task and split == "val":
+            hits, counts = torch.tensor(gather((hits.tolist(), counts.tolist())), dtype=torch.float64).sum(0)
+            accuracy = {loops: accuracy_by_k(h, c) for loops, h, c in zip(loop_counts, hits, counts)}
     model.train()
-    return losses
+    return losses, accuracy
 
 
 def loop_diagnostics():
@@ -516,8 +537,15 @@ if master:
     if loop_sampling != "fixed" or backprop_loops:
         print(f"training loop counts: {loop_sampling}, mean {train_loops.mean or n_loop:g}"
               f"{f', backprop through the last {backprop_loops}' if backprop_loops else ''}; evaluation at {n_loop}")
+    task_record = {}
+    if task:
+        # guesses that do not follow the chains, scored on the evaluation's own val batches
+        x, y = zip(*(val_data.batch(index, batch_size) for index in range(eval_iters)))
+        task_record = dict(shortcuts=shortcuts(torch.cat(x), torch.cat(y), chain_values, chain_hops))
+        print(f"{val_data.name}: chance {1 / chain_values:.3f}; the best shortcut (not following the chains) by k = "
+              f"1..{chain_hops}: {format_by_k(best_shortcut(task_record['shortcuts']))}")
     log(dict(type="start", iter=iter_num, resumed=init_from == "resume", params=n_params, world_size=world_size,
-             config={k: globals()[k] for k in config}))
+             config={k: globals()[k] for k in config}, **task_record))
 
 # ---------------------------------------------------------------------------------------------------------------------
 # training loop. Step iter_num trains on micro-batches iter_num * gradient_accumulation_steps + 0, 1, ...; process
@@ -560,7 +588,7 @@ while True:
     # the run that wrote the checkpoint has already done and logged it.
     if eval_due and not (init_from == "resume" and iter_num == first_iter and evaluated):
         read_losses()  # a non-finite train loss is named first, before the evaluation it spoils
-        losses = estimate_loss()
+        losses, accuracy = estimate_loss()
         for split in ("train", "val"):
             if not math.isfinite(losses[split]):
                 stop_diverged(f"{split} loss", losses[split], iter_num)
@@ -577,8 +605,15 @@ while True:
             tqdm.write(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, kappa_R "
                        f"(R={n_loop}) min {min(kappa):.2f} mean {sum(kappa) / len(kappa):.2f} max {max(kappa):.2f}"
                        f"{depth}")
+            if task:
+                tqdm.write(f"  val accuracy by k = 1..{len(accuracy[n_loop])}: {format_by_k(accuracy[n_loop])}")
+                if len(accuracy) > 1:
+                    hardest = max(accuracy[n_loop], key=int)
+                    tqdm.write(f"  val accuracy at k = {hardest} at {'/'.join(map(str, accuracy))} loops: "
+                               f"{'/'.join(f'{by_k[hardest]:.2f}' for by_k in accuracy.values())}")
             log(dict(type="eval", iter=iter_num, tokens=iter_num * tokens_per_iter, train_loss=losses["train"],
-                     val_loss=losses["val"], val_loss_by_loops=by_loops, loop=diagnostics))
+                     val_loss=losses["val"], val_loss_by_loops=by_loops, loop=diagnostics,
+                     **(dict(accuracy=accuracy[n_loop], accuracy_by_loops=accuracy) if task else {})))
         window_start, window_steps = time.perf_counter(), 0  # evaluation time does not count against tokens/s
     if iter_num >= max_iters:
         break
