@@ -40,6 +40,18 @@ def sampled_loops(config):
     return f" (trained at {sampling} {drawn}{backprop})"
 
 
+def depth_table(what, rows):
+    """Print {run: {loop count: figure}} as a markdown table, a column per loop count; nothing when rows is empty."""
+    if not rows:
+        return
+    counts = sorted({int(loops) for by_loops in rows.values() for loops in by_loops})
+    print(f"\n{what} at the last evaluation, by loop count at test time:\n\n| run | {' | '.join(map(str, counts))} |\n"
+          f"|---|{'---|' * len(counts)}")
+    for label, by_loops in rows.items():
+        print(f"| {label} | " + " | ".join(f"{by_loops[str(c)]:.3f}" if str(c) in by_loops else "" for c in counts)
+              + " |")
+
+
 def curves(run_dir):
     """(config, {kind: [records by step]}) of one run. A resumed run may hold steps twice (those after its
     last checkpoint, run again): the later record of each step wins."""
@@ -101,14 +113,11 @@ if __name__ == "__main__":
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     print(f"wrote {png}: {'; '.join(labels)}")
-    # the last panel as a table, for runs evaluated at several loop counts
-    depth = {label: kinds["eval"][-1].get("val_loss_by_loops", {}) for label, (_, _, kinds) in zip(labels, runs)
-             if "eval" in kinds}
-    depth = {label: by_loops for label, by_loops in depth.items() if len(by_loops) > 1}
-    if depth:
-        counts = sorted({int(loops) for by_loops in depth.values() for loops in by_loops})
-        print(f"\nval loss at the last evaluation, by loop count at test time:\n\n| run | "
-              f"{' | '.join(map(str, counts))} |\n|---|{'---|' * len(counts)}")
-        for label, by_loops in depth.items():
-            print(f"| {label} | " + " | ".join(f"{by_loops[str(c)]:.3f}" if str(c) in by_loops else "" for c in counts)
-                  + " |")
+    # the last panel as a table, and on a task the accuracy at its hardest k, for runs evaluated at several loop counts
+    lasts = {label: kinds["eval"][-1] for label, (_, _, kinds) in zip(labels, runs) if "eval" in kinds}
+    lasts = {label: r for label, r in lasts.items() if len(r.get("val_loss_by_loops", {})) > 1}
+    depth_table("val loss", {label: r["val_loss_by_loops"] for label, r in lasts.items()})
+    depth_table("val accuracy at the hardest k", {
+        f"{label}, k = {max(r['accuracy'], key=int)}": {loops: by_k[max(r["accuracy"], key=int)]
+                                                         for loops, by_k in r["accuracy_by_loops"].items()}
+        for label, r in lasts.items() if "accuracy_by_loops" in r})
