@@ -12,8 +12,10 @@ method is `residual_coefficients` below; everything else in this file is a GPT-2
 import inspect
 import math
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
@@ -23,6 +25,7 @@ RESIDUALS = ("deeploop", "deepnorm", "postln", "preln")
 OWN_EXPONENT = {"deeploop": 0.5, "deepnorm": 0.25}  # each Post-LN scheme's p when residual_exponent is 0
 NORMS = ("layernorm", "rmsnorm")
 POSITION_ENCODINGS = ("learned", "rope")
+LOOP_SAMPLINGS = ("fixed", "uniform", "lognormal_poisson")
 
 
 def residual_coefficients(residual, unrolled_depth, exponent=0.0):
@@ -74,6 +77,9 @@ class GPTConfig:
     norm: str = "layernorm"               # layernorm | rmsnorm: every normalization in the model
     position_encoding: str = "learned"    # learned (GPT-2's position embedding) | rope (rotary, on q and k)
     norm_branch_input: bool = False       # Post-LN: normalize the input of each attention and MLP branch too
+    # alpha and beta are numbers of the model, fixed at init: they come from the unrolled depth n_layer *
+    # coefficient_loops, whatever loop count a forward pass runs (training with sampled loop counts, test-time depth)
+    coefficient_loops: int = 0            # 0: n_loop
 
     def __post_init__(self):
         if self.residual not in RESIDUALS:
@@ -85,16 +91,79 @@ class GPTConfig:
                              f"{', '.join(POSITION_ENCODINGS)}")
         if self.n_loop < 1 or self.n_layer < 1:
             raise ValueError(f"n_layer and n_loop must be >= 1, got n_layer={self.n_layer} n_loop={self.n_loop}")
+        if self.coefficient_loops < 0:
+            raise ValueError(f"coefficient_loops must be >= 0 (0 = n_loop), got {self.coefficient_loops}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.position_encoding == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"rope rotates pairs of channels: the head size n_embd/n_head="
                              f"{self.n_embd // self.n_head} must be even")
-        residual_coefficients(self.residual, self.unrolled_depth, self.residual_exponent)  # raises on a bad exponent
+        residual_coefficients(self.residual, self.coefficient_depth, self.residual_exponent)  # raises on a bad exponent
 
     @property
     def unrolled_depth(self):
         return self.n_layer * self.n_loop
+
+    @property
+    def coefficient_depth(self):
+        """The N that alpha, beta and Pre-LN's scaled init are built from."""
+        return self.n_layer * (self.coefficient_loops or self.n_loop)
+
+
+@dataclass
+class TrainLoops:
+    """The loop count of each training step, for test-time depth: a model trained at one loop count gets worse at any
+    other, unless training draws the count at random (Geiping et al. 2025, "Scaling up Test-Time Compute with Latent
+    Reasoning: A Recurrent Depth Approach", the Huginn model). The field names are train.py's settings.
+        fixed              every step runs the model's n_loop
+        uniform            loop_min..loop_max, each equally likely
+        lognormal_poisson  Huginn's shape: r = 1 + Poisson(lambda), lambda log-normal with sigma 1/2 and mean
+                           loop_mean - 1, so that r has mean loop_mean (Huginn's own draw has mean loop_mean + 1) and a
+                           long right tail; Huginn trains at mean 32 (with backprop through the last 8)
+    backprop_loops > 0 keeps gradients through the last backprop_loops loops of a step only, as Huginn does; the
+    earlier loops run without autograd (less memory and compute). GPT.forward does that part."""
+    loop_sampling: str = "fixed"
+    loop_min: int = 0
+    loop_max: int = 0
+    loop_mean: float = 0.0
+    backprop_loops: int = 0
+
+    def __post_init__(self):
+        if self.loop_sampling not in LOOP_SAMPLINGS:
+            raise ValueError(f"unknown loop_sampling {self.loop_sampling!r}; choose one of {', '.join(LOOP_SAMPLINGS)}")
+        uniform, lognormal = self.loop_sampling == "uniform", self.loop_sampling == "lognormal_poisson"
+        if uniform and not 1 <= self.loop_min <= self.loop_max:
+            raise ValueError(f"loop_sampling=uniform needs 1 <= loop_min <= loop_max, got loop_min={self.loop_min} "
+                             f"loop_max={self.loop_max}")
+        if lognormal and not self.loop_mean >= 1:
+            raise ValueError(f"loop_sampling=lognormal_poisson needs loop_mean >= 1, got {self.loop_mean}")
+        if not uniform and (self.loop_min or self.loop_max):
+            raise ValueError(f"loop_min and loop_max only apply to loop_sampling=uniform, not {self.loop_sampling}")
+        if not lognormal and self.loop_mean:
+            raise ValueError(f"loop_mean only applies to loop_sampling=lognormal_poisson, not {self.loop_sampling}")
+        if self.backprop_loops < 0:
+            raise ValueError(f"backprop_loops must be >= 0 (0 = through every loop), got {self.backprop_loops}")
+
+    @property
+    def mean(self):
+        """The mean loop count of a step; None for fixed (the model's n_loop)."""
+        return {"fixed": None, "uniform": (self.loop_min + self.loop_max) / 2, "lognormal_poisson": self.loop_mean}[
+            self.loop_sampling]
+
+    def draw(self, seed, step):
+        """The loop count of optimizer step `step` (None for fixed): a pure function of (seed, step), not of a random
+        stream that training consumes, so that every DDP process and every micro-batch of a step draws the same count
+        and a resumed run continues the same sequence."""
+        if self.loop_sampling == "fixed":
+            return None
+        rng = np.random.default_rng([seed, step])
+        if self.loop_sampling == "uniform":
+            return int(rng.integers(self.loop_min, self.loop_max + 1))
+        if self.loop_mean == 1:
+            return 1
+        sigma = 0.5
+        rate = rng.lognormal(math.log(self.loop_mean - 1) - sigma ** 2 / 2, sigma)  # mean loop_mean - 1
+        return 1 + int(rng.poisson(rate))
 
 
 class KVCache:
@@ -215,7 +284,7 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        N = config.unrolled_depth
+        N = config.coefficient_depth
         self.alpha, self.beta = residual_coefficients(config.residual, N, config.residual_exponent)
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
@@ -284,16 +353,22 @@ class GPT(nn.Module):
     def _loss(self, logits, targets):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
-    def forward(self, idx, targets=None, n_loop=None, kv_cache=None, last_only=False, head=None):
+    def forward(self, idx, targets=None, n_loop=None, kv_cache=None, last_only=False, head=None, backprop_loops=0):
         """Logits for every position, and the mean cross-entropy when targets are given (-1 = ignore).
         n_loop runs another loop count than the model was built with (test-time depth); alpha stays as built.
+        backprop_loops > 0 runs all loops but the last backprop_loops without autograd (Huginn's truncated backprop):
+        no gradient reaches the blocks' earlier visits, nor the position embedding and ln_e, which only they read
+        (Huginn feeds the embedded input into every loop, so its embedding layers still learn; this model does not).
         Used by generate(): kv_cache, a list with one KVCache per unrolled visit; last_only, which spares the
         output layer all positions but the last; head, generate's copy of the output layer's weight (n_embd, vocab)
         to multiply by instead of calling lm_head."""
         start = kv_cache[0].past if kv_cache else 0
         x, rope = self._embed(idx, start), self._rope(start, idx.size(1))
-        for i, block in enumerate(self._visits(n_loop)):
-            x = block(x, kv_cache[i] if kv_cache is not None else None, rope)
+        visits = self._visits(n_loop)
+        untracked = len(visits) - backprop_loops * self.config.n_layer if backprop_loops else 0
+        for i, block in enumerate(visits):
+            with torch.no_grad() if i < untracked else nullcontext():
+                x = block(x, kv_cache[i] if kv_cache is not None else None, rope)
         x = self.transformer.ln_f(x[:, -1:] if last_only else x)
         logits = x @ head if head is not None else self.lm_head(x)
         return logits, None if targets is None else self._loss(logits, targets)

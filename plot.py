@@ -1,6 +1,8 @@
 """
 Training curves of train.py runs, side by side in one PNG: train and val loss against tokens seen, and kappa_R of
-each physical block at every evaluation (1: the visits' gradients are orthogonal; n_loop: they all point one way).
+each physical block at every evaluation (1: the visits' gradients are orthogonal; n_loop: they all point one way);
+below them test-time depth: val loss at each evaluated loop count (train.py's eval_loops) against tokens, and against
+the loop count at the last evaluation.
 
     python plot.py out-smoke
     python plot.py out-deeploop out-deepnorm out-unlooped --png=compare.png
@@ -29,6 +31,28 @@ def read_metrics(path):
     return [json.loads(line) for line in lines if line]
 
 
+def sampled_loops(config):
+    """How a run drew its training loop counts, for its legend entry; "" for a fixed count (n_loop)."""
+    sampling = config.get("loop_sampling", "fixed")
+    if sampling == "fixed":
+        return ""
+    drawn = f"{config['loop_min']}..{config['loop_max']}" if sampling == "uniform" else f"mean {config['loop_mean']:g}"
+    backprop = f", backprop {config['backprop_loops']}" if config.get("backprop_loops") else ""
+    return f" (trained at {sampling} {drawn}{backprop})"
+
+
+def depth_table(what, rows):
+    """Print {run: {loop count: figure}} as a markdown table, a column per loop count; nothing when rows is empty."""
+    if not rows:
+        return
+    counts = sorted({int(loops) for by_loops in rows.values() for loops in by_loops})
+    print(f"\n{what} at the last evaluation, by loop count at test time:\n\n| run | {' | '.join(map(str, counts))} |\n"
+          f"|---|{'---|' * len(counts)}")
+    for label, by_loops in rows.items():
+        print(f"| {label} | " + " | ".join(f"{by_loops[str(c)]:.3f}" if str(c) in by_loops else "" for c in counts)
+              + " |")
+
+
 def curves(run_dir):
     """(config, {kind: [records by step]}) of one run. A resumed run may hold steps twice (those after its
     last checkpoint, run again): the later record of each step wins."""
@@ -52,7 +76,7 @@ if __name__ == "__main__":
     if not run_dirs:
         die("name the runs to plot: python plot.py out-a out-b ... (folders that train.py wrote)")
     runs = [(run_dir, *curves(run_dir)) for run_dir in run_dirs]
-    labels = [f"{config['residual']}, n_loop={config['n_loop']}" for _, config, _ in runs]
+    labels = [f"{config['residual']}, n_loop={config['n_loop']}" + sampled_loops(config) for _, config, _ in runs]
     labels = [label + (f" ({run_dir})" if labels.count(label) > 1 else "")
               for label, (run_dir, _, _) in zip(labels, runs)]
 
@@ -63,7 +87,10 @@ if __name__ == "__main__":
     from tasks import best_shortcut  # here: it imports torch, which reading metrics does not need
 
     task_runs = any("accuracy" in r for _, _, kinds in runs for r in kinds.get("eval", []))
-    fig, (ax_loss, ax_kappa, *ax_task) = plt.subplots(1, 2 + task_runs, figsize=(13 + 6 * task_runs, 5))
+    fig, ((ax_loss, ax_kappa, *ax_task), (ax_depth, ax_last, *spare)) = plt.subplots(
+        2, 2 + task_runs, figsize=(13 + 6 * task_runs, 10))
+    for ax in spare:
+        ax.axis("off")
     for color, label, (_, config, kinds) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"] * len(runs),
                                                 labels, runs):
         train, evals = kinds.get("train", []), kinds.get("eval", [])
@@ -80,14 +107,33 @@ if __name__ == "__main__":
                             label=f"{label}, step {evals[-1]['iter']}")
             shortcut = best_shortcut(kinds["start"][-1]["shortcuts"])
             ax_task[0].plot([int(k) for k in ks], [shortcut[k] for k in ks], "--", color=color, lw=1)
+        evals = [r for r in evals if "val_loss_by_loops" in r]  # runs from before train.py's eval_loops have none
+        if evals:
+            loop_counts = list(evals[-1]["val_loss_by_loops"])
+            for i, loops in enumerate(loop_counts):
+                ax_depth.plot([r["tokens"] for r in evals], [r["val_loss_by_loops"][loops] for r in evals], "o-",
+                              color=color, ms=2, lw=1, alpha=1 - 0.7 * i / len(loop_counts),
+                              label=f"{label}: {', '.join(loop_counts)} loops" if i == 0 else None)
+            ax_last.plot([int(loops) for loops in loop_counts], list(evals[-1]["val_loss_by_loops"].values()), "o-",
+                         color=color, ms=4, label=f"{label}: step {evals[-1]['iter']}")
     ax_loss.set(xlabel="tokens", ylabel="loss (nats)", title="train and val loss")
     ax_kappa.set(xlabel="tokens", ylabel="kappa_R", title="kappa_R per block (paler: later blocks)")
+    ax_depth.set(xlabel="tokens", ylabel="val loss (nats)", title="val loss at each test-time loop count (paler: more)")
+    ax_last.set(xlabel="loop count at test time", ylabel="val loss (nats)", title="test-time depth, last evaluation")
     if task_runs:
         ax_task[0].set(xlabel="k (pointers to follow)", ylabel="val accuracy", ylim=(0, 1.02),
                        title="accuracy by k (dashed: the best shortcut)")
-    for ax in (ax_loss, ax_kappa, *ax_task):
+    for ax in (ax_loss, ax_kappa, ax_depth, ax_last, *ax_task):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     print(f"wrote {png}: {'; '.join(labels)}")
+    # the last panel as a table, and on a task the accuracy at its hardest k, for runs evaluated at several loop counts
+    lasts = {label: kinds["eval"][-1] for label, (_, _, kinds) in zip(labels, runs) if "eval" in kinds}
+    lasts = {label: r for label, r in lasts.items() if len(r.get("val_loss_by_loops", {})) > 1}
+    depth_table("val loss", {label: r["val_loss_by_loops"] for label, r in lasts.items()})
+    depth_table("val accuracy at the hardest k", {
+        f"{label}, k = {max(r['accuracy'], key=int)}": {loops: by_k[max(r["accuracy"], key=int)]
+                                                         for loops, by_k in r["accuracy_by_loops"].items()}
+        for label, r in lasts.items() if "accuracy_by_loops" in r})

@@ -40,7 +40,7 @@ from tqdm import tqdm
 from common import default_peak_flops, precision, tune_malloc
 from configurator import configure, die
 from dataset import EVAL_SEED, TokenWindows, load_meta
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, TrainLoops
 from prepare_data import prepare_builtin_if_missing
 from tasks import TASKS, accuracy_by_k, best_shortcut, format_by_k, hits_by_k, make_task, shortcuts
 
@@ -78,6 +78,16 @@ residual_exponent = 0.0  # p of alpha = (2N)^p, beta = (8N)^-p for deeploop/deep
 norm = "layernorm"       # layernorm | rmsnorm
 position_encoding = "learned"  # learned | rope
 norm_branch_input = False  # Post-LN blocks as x = Norm(alpha * x + f(Norm(x))), the DeepLoop paper's form
+# Loop counts for test-time depth (model.TrainLoops). n_loop stays the count of evaluations and of sample.py
+loop_sampling = "fixed"  # fixed: every step runs n_loop; uniform: loop_min..loop_max; lognormal_poisson: mean loop_mean
+loop_min = 0
+loop_max = 0
+loop_mean = 0.0
+backprop_loops = 0       # gradients through the last this many loops of a step only; 0: through all of them
+coefficient_loops = 0    # alpha and beta from the unrolled depth n_layer * coefficient_loops; 0: n_loop
+# val loss at these loop counts too, e.g. "1,2,3,4"; "": 1 and 2 * n_loop with sampled loop counts, none with fixed
+# ones (each count costs evaluation time, and under torch.compile a compilation)
+eval_loops = ""
 # AdamW; weight decay applies to matrices only (model.configure_optimizers)
 learning_rate = 6e-4
 max_iters = 600000
@@ -106,6 +116,18 @@ if dtype not in ("auto", "float32", "bfloat16", "float16"):
     die(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
 if min(eval_interval, eval_iters, log_interval, gradient_accumulation_steps, batch_size) < 1:
     die("eval_interval, eval_iters, log_interval, gradient_accumulation_steps and batch_size must all be >= 1")
+try:
+    train_loops = TrainLoops(loop_sampling, loop_min, loop_max, loop_mean, backprop_loops)
+except ValueError as e:
+    die(str(e))
+try:
+    eval_loop_counts = [int(c) for c in eval_loops.split(",")] if eval_loops else \
+        [1, 2 * n_loop] if loop_sampling != "fixed" else []
+except ValueError:
+    eval_loop_counts = [0]
+if min(eval_loop_counts, default=1) < 1:
+    die(f"eval_loops must be loop counts >= 1 separated by commas, like \"1,2,4\", got {eval_loops!r}")
+eval_loop_counts = sorted({n_loop, *eval_loop_counts})  # n_loop's val loss is the one that val_loss reports
 
 # Stopping on request. The handler only takes note; the training loop stops at the start of its next step, when
 # every DDP process has learnt of it (see agree). Before the loop there is nothing to save, and a signal stops at once.
@@ -250,7 +272,7 @@ def to_device(batch):
 model_args = dict(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_loop=n_loop, n_head=n_head,
                   n_embd=n_embd, dropout=dropout, bias=bias, residual=residual,
                   residual_exponent=residual_exponent, norm=norm, position_encoding=position_encoding,
-                  norm_branch_input=norm_branch_input)
+                  norm_branch_input=norm_branch_input, coefficient_loops=coefficient_loops)
 try:
     gpt_config = GPTConfig(**model_args)
 except ValueError as e:
@@ -271,6 +293,10 @@ else:
     # against the loaded model's config: a checkpoint older than a setting means its default
     changed = [f"{k}={v!r} (checkpoint: {getattr(raw_model.config, k)!r})" for k, v in model_args.items()
                if getattr(raw_model.config, k) != v]
+    # the loop counts a run trains with are in its config; a checkpoint older than them trained at fixed n_loop
+    changed += [f"{k}={v!r} (checkpoint: {checkpoint['config'].get(k, default)!r})"
+                for (k, v), default in zip(vars(train_loops).items(), vars(TrainLoops()).values())
+                if checkpoint["config"].get(k, default) != v]
     if changed:
         die(f"resuming {ckpt_path} with another model: {', '.join(changed)}; use the run's config unchanged")
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
@@ -319,7 +345,9 @@ if init_from == "resume":
               f"dropout masks will differ from an uninterrupted run")
     del checkpoint  # frees its copy of the weights and optimizer state
 model = torch.compile(raw_model) if compile else raw_model  # evaluation runs this one: no DDP collectives
-ddp_model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None) if ddp else model
+# backprop_loops leaves the position embedding without a gradient, which DDP must be told about
+ddp_model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None,
+                find_unused_parameters=backprop_loops > 0) if ddp else model
 
 
 def gather(obj):
@@ -366,27 +394,32 @@ def save_checkpoint(evaluated):
 
 @torch.no_grad()
 def estimate_loss():
-    """Mean loss over eval_iters fixed batches per split; DDP processes share the batches out and sum. On a task, also
-    the val split's accuracy by k ({"1": accuracy, ...}; else None): the answer is the most likely token."""
+    """Mean loss over eval_iters fixed batches per split, the train split at n_loop and the val split at each of
+    eval_loop_counts (test-time depth); DDP processes share the batches out and sum. -> (losses, accuracy):
+    losses = dict(train=, val= (at n_loop), val_by_loops={loops: loss}); on a task, accuracy = the val split's
+    accuracy by k at each loop count ({loops: {"1": accuracy, ...}}; else None): the answer is the most likely token."""
     model.eval()
     losses, accuracy = {}, None
-    for split, data in (("train", train_eval_data), ("val", val_data)):
-        total = torch.zeros((), device=device)
-        hits = counts = torch.zeros(chain_hops + 1, dtype=torch.float64)
+    for split, data, loop_counts in (("train", train_eval_data, [n_loop]), ("val", val_data, eval_loop_counts)):
+        totals = torch.zeros(len(loop_counts), device=device)
+        hits, counts = (torch.zeros(len(loop_counts), chain_hops + 1, dtype=torch.float64) for _ in range(2))
         for index in range(rank, eval_iters, world_size):
             x, y = data.batch(index, batch_size)
-            with autocast:
-                logits, loss = model(*to_device((x, y)))
-            total += loss.float()
-            if task and split == "val":
-                batch_hits, batch_counts = hits_by_k(val_data, logits.argmax(-1).cpu(), x, y)
-                hits, counts = hits + batch_hits, counts + batch_counts
+            inputs = to_device((x, y))
+            for i, loops in enumerate(loop_counts):
+                with autocast:
+                    logits, loss = model(*inputs, n_loop=loops)
+                totals[i] += loss.float()
+                if task and split == "val":
+                    batch_hits, batch_counts = hits_by_k(val_data, logits.argmax(-1).cpu(), x, y)
+                    hits[i], counts[i] = hits[i] + batch_hits, counts[i] + batch_counts
         if ddp:
-            dist.all_reduce(total)
-        losses[split] = total.item() / eval_iters
+            dist.all_reduce(totals)
+        losses[split + "_by_loops"] = dict(zip(loop_counts, (totals / eval_iters).tolist()))
+        losses[split] = losses[split + "_by_loops"][n_loop]
         if task and split == "val":
             hits, counts = torch.tensor(gather((hits.tolist(), counts.tolist())), dtype=torch.float64).sum(0)
-            accuracy = accuracy_by_k(hits, counts)
+            accuracy = {loops: accuracy_by_k(h, c) for loops, h, c in zip(loop_counts, hits, counts)}
     model.train()
     return losses, accuracy
 
@@ -507,6 +540,9 @@ if master:
           f"({meta['tokenizer']}), {tokens_per_iter:,} tokens per step on {world_size} x {device} in {dtype}, "
           f"MFU against {peak_flops:.3g} FLOP/s per device ({peak_source})")
     print(f"dtype {dtype}: {dtype_reason}")
+    if loop_sampling != "fixed" or backprop_loops:
+        print(f"training loop counts: {loop_sampling}, mean {train_loops.mean or n_loop:g}"
+              f"{f', backprop through the last {backprop_loops}' if backprop_loops else ''}; evaluation at {n_loop}")
     task_record = {}
     if task:
         # guesses that do not follow the chains, scored on the evaluation's own val batches
@@ -576,12 +612,21 @@ while True:
         save_checkpoint(evaluated=True)
         if master:
             kappa = diagnostics["kappa"]
+            by_loops = losses["val_by_loops"]
+            depth = f"; val loss at {'/'.join(map(str, by_loops))} loops " \
+                    f"{'/'.join(f'{loss:.3f}' for loss in by_loops.values())}" if len(by_loops) > 1 else ""
             tqdm.write(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, kappa_R "
-                       f"(R={n_loop}) min {min(kappa):.2f} mean {sum(kappa) / len(kappa):.2f} max {max(kappa):.2f}")
+                       f"(R={n_loop}) min {min(kappa):.2f} mean {sum(kappa) / len(kappa):.2f} max {max(kappa):.2f}"
+                       f"{depth}")
             if task:
-                tqdm.write(f"  val accuracy by k = 1..{len(accuracy)}: {format_by_k(accuracy)}")
+                tqdm.write(f"  val accuracy by k = 1..{len(accuracy[n_loop])}: {format_by_k(accuracy[n_loop])}")
+                if len(accuracy) > 1:
+                    hardest = max(accuracy[n_loop], key=int)
+                    tqdm.write(f"  val accuracy at k = {hardest} at {'/'.join(map(str, accuracy))} loops: "
+                               f"{'/'.join(f'{by_k[hardest]:.2f}' for by_k in accuracy.values())}")
             log(dict(type="eval", iter=iter_num, tokens=iter_num * tokens_per_iter, train_loss=losses["train"],
-                     val_loss=losses["val"], loop=diagnostics, **(dict(accuracy=accuracy) if task else {})))
+                     val_loss=losses["val"], val_loss_by_loops=by_loops, loop=diagnostics,
+                     **(dict(accuracy=accuracy[n_loop], accuracy_by_loops=accuracy) if task else {})))
         window_start, window_steps = time.perf_counter(), 0  # evaluation time does not count against tokens/s
         # a signal during the evaluation stops here: ckpt.pt holds this step, and another step would mean another
         # write within the scheduler's grace period
@@ -595,13 +640,15 @@ while True:
     for group in optimizer.param_groups:
         group["lr"] = lr
     loss_sum = torch.zeros((), device=device)
+    step_loops = train_loops.draw(seed, iter_num) or n_loop  # the same on every process and micro-batch
     for micro in range(accum_steps):
         x, y = to_device(train_data.batch(iter_num * gradient_accumulation_steps + rank * accum_steps + micro,
                                           batch_size))
         # DDP averages gradients over processes in backward; only the last micro-batch's backward needs to
         with ddp_model.no_sync() if ddp and micro < accum_steps - 1 else nullcontext():
             with autocast:
-                loss = ddp_model(x, y)[1]  # not holding on to the (B, T, vocab) logits: backward needs less memory
+                # not holding on to the (B, T, vocab) logits: backward needs less memory
+                loss = ddp_model(x, y, n_loop=step_loops, backprop_loops=backprop_loops)[1]
             scaler.scale(loss / accum_steps).backward()
         loss_sum += loss.detach().float()
     pending_losses.append((iter_num, loss_sum))
@@ -619,6 +666,7 @@ while True:
             tokens_per_sec = tokens_per_iter / dt
             mfu = raw_model.estimate_mfu(tokens_per_iter, dt, peak_flops * world_size)
             log(dict(type="train", iter=iter_num, tokens=(iter_num + 1) * tokens_per_iter, loss=loss_value, lr=lr,
+                     loops=step_loops,
                      grad_norm=grad_norm.item() if grad_norm.isfinite() else None,  # inf: a skipped float16 step
                      tokens_per_sec=tokens_per_sec, mfu=mfu))
             window_start, window_steps = time.perf_counter(), 0

@@ -5,9 +5,11 @@ import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
+from torch.func import functional_call
 from torch.nn import functional as F
 
-from model import GPT, GPTConfig, KVCache, NORMS, POSITION_ENCODINGS, RESIDUALS, apply_rotary, residual_coefficients
+from model import (GPT, GPTConfig, KVCache, NORMS, POSITION_ENCODINGS, RESIDUALS, TrainLoops, apply_rotary,
+                   residual_coefficients)
 
 
 def tiny(**kw):
@@ -324,7 +326,7 @@ def test_model_module_imports_nothing_of_the_project_and_never_exits():
     with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model.py")) as f:
         source = f.read()
     imported = {line.split()[1].split(".")[0] for line in source.splitlines() if line.startswith(("import ", "from "))}
-    assert imported == {"inspect", "math", "os", "dataclasses", "torch"}
+    assert imported == {"contextlib", "inspect", "math", "os", "dataclasses", "numpy", "torch"}
     assert "exit(" not in source and "die(" not in source
 
 
@@ -428,3 +430,83 @@ def test_checkpoint_without_backbone_settings_loads_as_gpt2_blocks(tmp_path):
     assert (config.norm, config.position_encoding, config.norm_branch_input) == ("layernorm", "learned", False)
     idx = torch.randint(0, 128, (1, 12))
     assert torch.equal(loaded.eval()(idx)[0], model(idx)[0])
+
+
+def test_coefficient_loops_sets_the_depth_of_alpha_and_beta():
+    for loops, N in ((0, 2 * 3), (5, 2 * 5)):  # 0: n_loop
+        model = GPT(tiny(n_layer=2, n_loop=3, coefficient_loops=loops))
+        assert (model.alpha, model.beta) == pytest.approx((math.sqrt(2 * N), 1 / math.sqrt(8 * N)))
+        preln = GPT(tiny(n_layer=2, n_loop=3, coefficient_loops=loops, residual="preln"))
+        std = preln.transformer.h[0].mlp.c_proj.weight.std().item()
+        assert std == pytest.approx(0.02 / math.sqrt(2 * N), rel=0.1)
+    with pytest.raises(ValueError, match=r"^coefficient_loops must be >= 0 \(0 = n_loop\), got -1$"):
+        tiny(coefficient_loops=-1)
+
+
+def test_train_loops_draw_a_pure_function_of_seed_and_step():
+    uniform, huginn = TrainLoops("uniform", loop_min=1, loop_max=3), TrainLoops("lognormal_poisson", loop_mean=3.0)
+    for loops in (uniform, huginn):
+        draws = [loops.draw(1337, step) for step in range(3000)]
+        assert draws == [loops.draw(1337, step) for step in range(3000)]  # fresh calls, any order: the same counts
+        assert draws != [loops.draw(1338, step) for step in range(3000)]
+        assert sum(draws) / len(draws) == pytest.approx(loops.mean, rel=0.04) and min(draws) >= 1
+    assert set(draws) > {1, 2, 3, 4, 5, 6}  # Huginn's long right tail
+    assert {uniform.draw(0, step) for step in range(100)} == {1, 2, 3}
+    assert TrainLoops().draw(0, 5) is None and TrainLoops("lognormal_poisson", loop_mean=1.0).draw(0, 5) == 1
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(loop_sampling="uniform", loop_min=0, loop_max=3),
+     "loop_sampling=uniform needs 1 <= loop_min <= loop_max, got loop_min=0 loop_max=3"),
+    (dict(loop_sampling="uniform", loop_min=3, loop_max=2),
+     "loop_sampling=uniform needs 1 <= loop_min <= loop_max, got loop_min=3 loop_max=2"),
+    (dict(loop_sampling="lognormal_poisson", loop_mean=-2.0),
+     "loop_sampling=lognormal_poisson needs loop_mean >= 1, got -2.0"),
+    (dict(loop_sampling="poisson"), "unknown loop_sampling 'poisson'; choose one of fixed, uniform, lognormal_poisson"),
+    (dict(loop_mean=2.0), "loop_mean only applies to loop_sampling=lognormal_poisson, not fixed"),
+    (dict(loop_sampling="lognormal_poisson", loop_mean=2.0, loop_max=4),
+     "loop_min and loop_max only apply to loop_sampling=uniform, not lognormal_poisson"),
+    (dict(backprop_loops=-1), "backprop_loops must be >= 0 (0 = through every loop), got -1"),
+])
+def test_impossible_loop_distributions_are_rejected(settings, message):
+    with pytest.raises(ValueError) as error:
+        TrainLoops(**settings)
+    assert str(error.value) == message
+
+
+def test_backprop_through_the_last_loops_equals_the_gradient_of_those_visits_alone():
+    """Truncated backprop through the last k of R loops, against a hand computation: every visit runs the block with
+    its own leaf copy of the weights (as loop_diagnostics does), so autograd hands back each visit's contribution;
+    the truncated gradient of a block is the sum over the last k loops' visits, and nothing reaches the position
+    embedding, which only the untracked first visits read."""
+    torch.manual_seed(0)
+    model = GPT(tiny(n_layer=2, n_loop=2))
+    idx = torch.randint(0, 128, (2, 16))
+    targets = torch.roll(idx, -1, 1)
+    R, k = 4, 1  # run at 4 loops, gradients through the last one
+    model(idx, targets, n_loop=R, backprop_loops=k)[1].backward()
+
+    x = model._embed(idx)
+    visit_params = []
+    for block in model._visits(R):
+        params = {name: p.detach().requires_grad_() for name, p in block.named_parameters()}
+        x = functional_call(block, params, (x, None, None))
+        visit_params.append(params)
+    loss = model._loss(model.lm_head(model.transformer.ln_f(x)), targets)
+    grads = torch.autograd.grad(loss, [p for params in visit_params for p in params.values()])
+    n = len(visit_params[0])
+    per_visit = [dict(zip(params, grads[v * n:(v + 1) * n])) for v, params in enumerate(visit_params)]
+    for b, block in enumerate(model.transformer.h):
+        for name, p in block.named_parameters():
+            expected = sum(per_visit[r * 2 + b][name] for r in range(R - k, R))
+            torch.testing.assert_close(p.grad, expected, rtol=1e-5, atol=1e-7, msg=name)
+    assert model.transformer.wpe.weight.grad is None and model.transformer.ln_e.weight.grad is None
+
+    # k >= R loops: every visit tracked, the ordinary gradient
+    model.zero_grad()
+    model(idx, targets, n_loop=R, backprop_loops=R)[1].backward()
+    full = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    model(idx, targets, n_loop=R)[1].backward()
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, full[name]), name

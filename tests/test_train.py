@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from model import GPT
+from model import GPT, TrainLoops
 from plot import read_metrics
 from prepare_data import prepare
 
@@ -29,6 +29,7 @@ TINY = ["--dataset=fixture", "--device=cpu", "--dtype=float32", "--compile=False
         "--gradient_accumulation_steps=2", "--eval_interval=4", "--eval_iters=2", "--log_interval=1",
         "--learning_rate=3e-3", "--warmup_iters=2", "--lr_decay_iters=12", "--min_lr=3e-4"]
 HALF = 6  # the resume test stops at step HALF and carries on to 2 * HALF
+SAMPLED = ["--loop_sampling=uniform", "--loop_min=1", "--loop_max=3"]  # loop counts drawn per step, mean n_loop
 
 
 def train(cwd, *overrides, nproc=1, expect_rc=0):
@@ -215,8 +216,10 @@ def test_sigkill_leaves_a_loadable_checkpoint(workdir):
 
 
 def test_two_ddp_processes_equal_one_with_twice_the_accumulation(workdir):
-    # gradient_accumulation_steps counts micro-batches over all processes: 4 = 2 processes x 2 = 1 process x 4
-    args = ["--gradient_accumulation_steps=4", "--max_iters=3", "--eval_interval=100"]
+    # gradient_accumulation_steps counts micro-batches over all processes: 4 = 2 processes x 2 = 1 process x 4; with
+    # sampled loop counts, which every process and micro-batch of a step must share, and backprop through the last
+    # loop only, which leaves the position embedding without a gradient
+    args = ["--gradient_accumulation_steps=4", "--max_iters=3", "--eval_interval=100", *SAMPLED, "--backprop_loops=1"]
     train(workdir, "--out_dir=single", *args)
     train(workdir, "--out_dir=ddp", *args, nproc=2)
     single, ddp = load(workdir / "single"), load(workdir / "ddp")
@@ -226,8 +229,33 @@ def test_two_ddp_processes_equal_one_with_twice_the_accumulation(workdir):
     single_losses = [r["loss"] for r in records(workdir / "single", "train")]
     ddp_losses = [r["loss"] for r in records(workdir / "ddp", "train")]
     assert ddp_losses == pytest.approx(single_losses, rel=1e-6) and len(ddp_losses) == 3
+    assert [r["loops"] for r in records(workdir / "ddp", "train")] == [2, 1, 2]  # TrainLoops.draw(1337, 0..2)
+    by_loops = records(workdir / "ddp", "eval")[-1]["val_loss_by_loops"]  # sampled: 1, n_loop and 2 * n_loop
+    assert list(by_loops) == ["1", "2", "4"]
+    assert list(by_loops.values()) == pytest.approx(
+        list(records(workdir / "single", "eval")[-1]["val_loss_by_loops"].values()), rel=1e-6)
     assert records(workdir / "ddp", "eval")[-1]["val_loss"] == pytest.approx(
         records(workdir / "single", "eval")[-1]["val_loss"], rel=1e-6)
+
+
+def test_sampled_loop_counts_continue_on_resume_and_evaluations_report_several_depths(workdir):
+    train(workdir, "--out_dir=sampled", "--max_iters=4", "--eval_loops=1,3", *SAMPLED)
+    result = train(workdir, "--out_dir=sampled", "--max_iters=8", "--init_from=resume", "--eval_loops=1,3", *SAMPLED)
+    loops = [r["loops"] for r in records(workdir / "sampled", "train")]
+    assert loops == [TrainLoops("uniform", 1, 3).draw(1337, step) for step in range(8)] and set(loops) == {1, 2, 3}
+    assert load(workdir / "sampled")["config"]["loop_sampling"] == "uniform"
+    for r in records(workdir / "sampled", "eval"):
+        assert list(r["val_loss_by_loops"]) == ["1", "2", "3"] and r["val_loss_by_loops"]["2"] == r["val_loss"]
+    assert re.search(r"step 8: train loss .*; val loss at 1/2/3 loops [\d.]+/[\d.]+/[\d.]+\n", result.stdout)
+    result = train(workdir, "--out_dir=sampled", "--max_iters=9", "--init_from=resume", "--loop_sampling=uniform",
+                   "--loop_min=1", "--loop_max=4", expect_rc=2)
+    assert result.stderr == ("error: resuming sampled/ckpt.pt with another model: loop_max=4 (checkpoint: 3); use the "
+                             "run's config unchanged\n")
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), "sampled", "--png=sampled.png"],
+                            cwd=workdir, env=ENV, capture_output=True, text=True, timeout=120)
+    by_loops = records(workdir / "sampled", "eval")[-1]["val_loss_by_loops"]
+    assert result.stdout.splitlines()[-1] == "| deeploop, n_loop=2 (trained at uniform 1..3) | " + \
+        " | ".join(f"{by_loops[loops]:.3f}" for loops in "123") + " |"
 
 
 def test_builtin_data_is_prepared_on_demand_and_kappa_is_one_without_looping(tmp_path):
