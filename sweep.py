@@ -319,9 +319,12 @@ if mode == "depth":
               "|---|---|" + "---|" * len(test_loops)]
     for (s, r, p), (lr, runs) in best.items():
         if runs and runs[0]["test_time"]:
-            means = [sum(mean_over_k(run["test_time"][str(n)]) for run in runs) / len(runs) for n in test_loops]
+            # a sweep resumed with other loop counts has tested its earlier runs at fewer of them
+            means = [sum(mean_over_k(run["test_time"][str(n)]) for run in runs) / len(runs)
+                     if all(str(n) in run["test_time"] for run in runs) else None for n in test_loops]
             lines.append(f"| {scheme_label(s, p)} | {r} | " + " | ".join(
-                f"**{m:.2f}**" if n == r else f"{m:.2f}" for n, m in zip(test_loops, means)) + " |")
+                "—" if m is None else f"**{m:.2f}**" if n == r else f"{m:.2f}" for n, m in zip(test_loops, means))
+                + " |")
     lines += ["", f"Sweep time: {minutes:.1f} min wall with {workers} worker(s), {run_minutes:.1f} min summed over the "
               f"runs trained in this invocation and earlier ones. Command: "
               f"`{' '.join(['python sweep.py'] + sys.argv[1:])}`"]
