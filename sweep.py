@@ -362,6 +362,8 @@ elif mode == "transfer":  # one panel per scheme, one line per R: a best rate th
                 ax.errorbar(xs, ms, yerr=sd, marker="o", capsize=2, label=f"R={r}")
         ax.axhline(floor, color="black", ls="--", lw=1)
         ax.set_xscale("log")
+        ax.set_xticks(lr_list, [f"{lr:g}" for lr in lr_list], rotation=45, fontsize=7)
+        ax.minorticks_off()
         ax.set_xlabel("peak learning rate")
         ax.set_title(scheme_label(s, p))
     axes[0][0].set_ylabel("final val loss (mean ± std over seeds)")
