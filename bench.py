@@ -1,6 +1,6 @@
 """
 Measure a looped GPT on synthetic tokens: training throughput and MFU, and generation speed with and without the
-KV cache for 1 and batch_size sequences. No dataset or checkpoint needed.
+KV cache for 1 and batch_size sequences, the cached step against its memory floor. No dataset or checkpoint needed.
 
     python bench.py                                        # 2 blocks x 4 loops, n_embd 256, block_size 256, batch 8
     python bench.py --compare_dtypes=True                  # float32, bfloat16, bfloat16 compiled: rows and ratios
@@ -13,8 +13,13 @@ Training: warm-up steps first (they include torch.compile's compilation and the 
 the median of the timed steps, each a forward, a backward and an AdamW step; the models compared take turns step by
 step. Generation: gen_tokens new tokens after a gen_prompt_len-token prompt, for 1 sequence and for batch_size
 sequences, once with the KV cache and once recomputing the context at every step; compiled models generate compiled.
+A cached decode step is memory-bound: its floor is the bytes of weights and cache it must read
+(GPT.decode_step_bytes, at the mean cache length of the generation) over the memory's read bandwidth, measured here.
+The figures are wall-clock: the first line says how busy the machine was (its load average).
 """
 
+import math
+import os
 import statistics
 import sys
 import time
@@ -63,7 +68,7 @@ device_type = device.split(":")[0]
 if compile is None:
     compile = device_type == "cuda"
 try:
-    dtype, dtype_reason = choose_dtype(device, dtype)
+    dtype, dtype_reason = choose_dtype(device, dtype, n_embd, batch_size * block_size)
 except ValueError as e:
     die(str(e))
 precisions = [("float32", False), ("bfloat16", False), ("bfloat16", True)] if compare_dtypes else [(dtype, compile)]
@@ -111,8 +116,8 @@ def train_step(model, optimizer, scaler, ctx, x, y):
     return time.perf_counter() - t0
 
 
-def generation_speed(model, ctx, prompt, use_cache):
-    """New tokens per second of model.generate, over all the prompt's sequences."""
+def generation_step(model, ctx, prompt, use_cache):
+    """Seconds per step of model.generate (one new token for each of the prompt's sequences)."""
     with ctx:
         # warm-up; 4 tokens reach the steady state of both paths, including torch.compile's recompiles
         model.generate(prompt, 4, top_k=200, use_cache=use_cache)
@@ -120,10 +125,27 @@ def generation_speed(model, ctx, prompt, use_cache):
         t0 = time.perf_counter()
         model.generate(prompt, gen_tokens, top_k=200, use_cache=use_cache)
         synchronize(device)
-    return prompt.size(0) * gen_tokens / (time.perf_counter() - t0)
+    return (time.perf_counter() - t0) / gen_tokens
 
 
-print(malloc_line)
+def read_bandwidth():
+    """Bytes per second that this process reads from memory: the fastest of a few sums and vector-matrix products
+    over 256 MiB of float32, 8x the largest L3 cache of the CPUs here, so that every repeat reads from memory."""
+    data = torch.ones(2**26, device=device)
+    vector = torch.ones(256, device=device)
+    best = math.inf
+    for _ in range(5):
+        for read in (data.sum, lambda: vector @ data.view(256, -1)):
+            synchronize(device)
+            t0 = time.perf_counter()
+            read()
+            synchronize(device)
+            best = min(best, time.perf_counter() - t0)
+    return data.numel() * data.element_size() / best
+
+
+print(f"{malloc_line}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs, "
+      f"torch threads {torch.get_num_threads()}")
 if not compare_dtypes:
     print(f"dtype {dtype}: {dtype_reason}")
 runs = [build(*depth, *precision) for depth in depths for precision in precisions]
@@ -150,11 +172,19 @@ for (model, optimizer, _, ctx, line), times in zip(runs, step_times):
     if gen_tokens:
         optimizer.state.clear()  # frees the AdamW moments before generation
         model.eval()
+        bandwidth = read_bandwidth()
+        print(f"memory: reads {bandwidth / 1e9:.1f} GB/s (best of sums and vector-matrix products over 256 MiB)")
         for sequences in sorted({1, batch_size}):
             prompt = torch.randint(vocab_size, (sequences, gen_prompt_len), device=device)
-            cached, uncached = (generation_speed(model, ctx, prompt, use_cache) for use_cache in (True, False))
+            cached, uncached = (generation_step(model, ctx, prompt, use_cache) for use_cache in (True, False))
+            step_bytes = model.decode_step_bytes(sequences, gen_prompt_len + gen_tokens / 2,
+                                                 getattr(torch, dtype).itemsize)
+            floor = step_bytes / bandwidth
             print(f"generate: {gen_tokens} new tokens x {sequences} sequence{'s' if sequences > 1 else ''}: "
-                  f"cached {cached:.1f} tokens/s, uncached {uncached:.1f} tokens/s, cache speed-up {cached / uncached:.1f}x")
+                  f"cached {cached * 1e3:.2f} ms/step ({sequences / cached:.1f} tokens/s), uncached "
+                  f"{uncached * 1e3:.2f} ms/step ({sequences / uncached:.1f} tokens/s), cache speed-up "
+                  f"{uncached / cached:.1f}x; a cached step reads {step_bytes / 1e6:.3g} MB: floor "
+                  f"{floor * 1e3:.3g} ms, cached step {cached / floor:.2f}x the floor")
     sys.stdout.flush()
 if compare_dtypes:
     for depth in range(len(depths)):

@@ -5,11 +5,13 @@ the precision, timing, and the MFU yardstick. Nothing here runs on import; each 
 The precision rule (`choose_dtype`, for dtype="auto"):
     CUDA with native bfloat16 (Ampere and newer)         -> bfloat16 autocast
     CUDA without it (V100, T4: bfloat16 only emulated)    -> float16 autocast with loss scaling (GradScaler)
-    CPU with AMX bfloat16 tile units (amx_bf16 in /proc/cpuinfo) -> bfloat16 autocast
-    anything else (CPUs without AMX, Apple's MPS)         -> float32
-On a Xeon that exposes avx512_bf16 but not AMX, bench.py's default model trained at 0.64x the speed in bfloat16
-(CPU time per step, measured one thread, one process, steps interleaved): the vector instructions alone do not pay
-for autocast's casts, so they do not count.
+    CPU                                                   -> measured: bfloat16 autocast when one block's matrix
+                                                             products ran at least 1.15x as fast in it, else float32
+    anything else (Apple's MPS)                           -> float32
+CPU flags do not predict the CPU's answer: a Xeon with avx512_bf16 but no AMX trained bench.py's model at 0.64x the
+speed in bfloat16, a Zen 4 EPYC with the same flags at 1.62x. A close call keeps float32, which reproduces bit for
+bit. A measurement is noisy, so on a CPU a resumed run keeps the precision its checkpoint was trained in, and sweep.py
+decides once for all its runs.
 Weights and optimizer state stay float32 in every case (autocast casts per operation), so a checkpoint resumes in any
 dtype.
 """
@@ -23,8 +25,12 @@ import time
 from contextlib import nullcontext
 
 import torch
+import torch.nn.functional as F
 
 DTYPES = ("float32", "bfloat16", "float16")
+BFLOAT16_GAIN = 1.15  # on a CPU, bfloat16 must run one block's matrix products this much faster than float32
+MEASURE_FLOPS = 3e8  # FLOPs of one timed repeat at most: fewer rows than a training step, to keep the measurement short
+MEASURE_SECONDS = 0.1  # CPU seconds within which repeats after the first timed one may start
 
 
 def tune_malloc():
@@ -45,20 +51,42 @@ def tune_malloc():
     return bool(libc.mallopt(M_MMAP_THRESHOLD, limit)) and bool(libc.mallopt(M_TRIM_THRESHOLD, limit))
 
 
-def cpu_flags():
-    """The instruction-set flags of this CPU from /proc/cpuinfo (Linux); empty where there is none."""
-    if not os.path.isfile("/proc/cpuinfo"):
-        return set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
+def time_block_matmuls(n_embd, rows, repeats=5):
+    """(float32 seconds, bfloat16 seconds, rows): the fastest of up to `repeats` runs of each precision, through
+    autocast as training runs them, of the forward and backward of one block's four matrix products (attention in and
+    out, MLP in and out) on `rows` tokens of width n_embd. Rows are capped so that a repeat costs at most
+    MEASURE_FLOPS. Timed on one thread in the thread's CPU time: on a machine shared with other work, wall time
+    measures the neighbours, and threads that wait for a descheduled one at every operation even more so. The
+    precisions take turns, so that the load slows both alike; the first turn of each warms up (bfloat16 kernels are
+    generated on first use); no repeat starts after MEASURE_SECONDS, which keeps a CPU that emulates bfloat16 from
+    paying for it long. A private generator: the seeds stay put."""
+    rows = max(8, min(rows, int(MEASURE_FLOPS / (72 * n_embd ** 2))))  # 2 x 3 (forward, backward) x 12 n_embd^2
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(3 * n_embd, n_embd), (n_embd, n_embd), (4 * n_embd, n_embd), (n_embd, 4 * n_embd)]
+    weights = [torch.randn(shape, generator=generator).mul_(0.02).requires_grad_() for shape in shapes]
+    inputs = {width: torch.randn(rows, width, generator=generator).requires_grad_() for width in (n_embd, 4 * n_embd)}
+    best = dict(float32=math.inf, bfloat16=math.inf)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    start = time.thread_time()
+    for repeat in range(repeats + 1):
+        if repeat > 1 and time.thread_time() - start > MEASURE_SECONDS:
+            break
+        for dtype in best:
+            t0 = time.thread_time()
+            with autocast_context("cpu", dtype):
+                loss = sum(F.linear(inputs[w.size(1)], w).float().sum() for w in weights)
+            torch.autograd.grad(loss, [*weights, *inputs.values()])
+            if repeat:
+                best[dtype] = min(best[dtype], time.thread_time() - t0)
+    torch.set_num_threads(threads)
+    return best["float32"], best["bfloat16"], rows
 
 
-def choose_dtype(device, dtype="auto"):
-    """(dtype, why) for a device: dtype as given, or for "auto" the rule in this module's docstring. Raises
-    ValueError for an unknown dtype."""
+def choose_dtype(device, dtype="auto", n_embd=256, rows=2048, trained_dtype=None):
+    """(dtype, why) for a device: dtype as given, or for "auto" the rule in this module's docstring. n_embd and rows
+    (tokens per forward) are the shapes a CPU measures; trained_dtype, the precision of the checkpoint a run resumes,
+    is kept on a CPU. Raises ValueError for an unknown dtype."""
     if dtype != "auto":
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
@@ -71,9 +99,17 @@ def choose_dtype(device, dtype="auto"):
             return "bfloat16", f"{name} computes bfloat16 natively"
         return "float16", f"{name} has no native bfloat16, so float16 with loss scaling"
     if device_type == "cpu":
-        if "amx_bf16" in cpu_flags():
-            return "bfloat16", "the CPU has AMX bfloat16 units (amx_bf16)"
-        return "float32", "the CPU has no AMX bfloat16 units (amx_bf16); without them bfloat16 trains slower"
+        if trained_dtype:
+            return trained_dtype, "the precision its checkpoint was trained in (a measurement could differ)"
+        float32_seconds, bfloat16_seconds, rows = time_block_matmuls(n_embd, rows)
+        gain = float32_seconds / bfloat16_seconds
+        choice = ["bfloat16" if gain >= BFLOAT16_GAIN else "float32",
+                  f"one block's matrix products ({rows} x {n_embd}, forward and backward) measured {gain:.2f}x as "
+                  f"fast in bfloat16 as in float32 ({bfloat16_seconds * 1e3:.1f} ms against "
+                  f"{float32_seconds * 1e3:.1f} ms of CPU time); bfloat16 needs {BFLOAT16_GAIN}x"]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(choice, src=0)  # DDP: every process takes the master's pick
+        return tuple(choice)
     return "float32", f"no half-precision rule for {device_type}"
 
 
@@ -93,10 +129,10 @@ def autocast_context(device, dtype):
     return nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
 
 
-def precision(device, dtype):
+def precision(device, dtype, n_embd=256, rows=2048, trained_dtype=None):
     """(dtype, why, autocast context) for a script that runs on device: choose_dtype's pick, and TF32 matmuls allowed
     on CUDA (allow_tf32). Raises ValueError for an unknown dtype."""
-    dtype, why = choose_dtype(device, dtype)
+    dtype, why = choose_dtype(device, dtype, n_embd, rows, trained_dtype)
     allow_tf32(device)
     return dtype, why, autocast_context(device, dtype)
 

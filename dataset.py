@@ -26,6 +26,9 @@ import os
 import numpy as np
 
 SPLITS = ("train", "val")
+# The seed of the evaluation batches: the same in every run on a dataset, whatever its seed, so that runs with other
+# seeds or schemes are compared on the same data; training never draws with it.
+EVAL_SEED = 2**32 - 1
 FORMAT = "deeploop-tokens"
 MAGIC = int.from_bytes(b"DLTOKENS", "little")  # a shard starts with these 8 ASCII bytes: `head -c 8` shows them
 VERSION = 1
@@ -41,6 +44,13 @@ GPT2_SHA256 = {
 # -----------------------------------------------------------------------------------------------------------------
 # tokenizers
 
+def valid_text(text):
+    """text with each lone surrogate (U+D800 to U+DFFF unpaired: no character, yet valid in JSON and in Python
+    strings, e.g. from a command line's undecodable bytes) replaced by U+FFFD, as GPT-2's tokenizer (tiktoken) does:
+    such text has no UTF-8 form, so it can be neither turned into bytes nor printed."""
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255, 256 as the document separator; the methods of tiktoken.Encoding that DeepLoop uses."""
     name = "bytes"
@@ -48,13 +58,16 @@ class ByteTokenizer:
     eot_token = 256
 
     def encode_ordinary(self, text):
-        return list(text.encode("utf-8"))
+        try:
+            return list(text.encode("utf-8"))
+        except UnicodeEncodeError:  # a lone surrogate
+            return list(valid_text(text).encode("utf-8"))
 
     def encode(self, text, **special):  # no text spells the separator, so there are no special tokens to allow
         return self.encode_ordinary(text)
 
     def encode_ordinary_batch(self, texts, num_threads=None):
-        return [list(text.encode("utf-8")) for text in texts]
+        return [self.encode_ordinary(text) for text in texts]
 
     def decode(self, ids):
         """Separators become a blank line; a cut UTF-8 sequence becomes U+FFFD; ids past 256 (a padded model head) are

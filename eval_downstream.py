@@ -22,12 +22,12 @@ reached the script runs offline on what is cached, and stops with one line if a 
 
 How the model is asked. Every task reduces to three requests, which CheckpointLM answers:
   loglikelihood(context, continuation)  log P(continuation | context), and whether greedy decoding would produce it.
-      The harness splits the text into tokens (a context's trailing spaces go to the continuation; an empty context
-      becomes the document separator). Requests are sorted by length and batch_size of them run in one
-      right-padded forward pass: attention is causal, so padding after a row never changes its scores. A context
-      that does not fit in block_size loses tokens from the LEFT; the continuation is always scored whole, in
-      pieces of block_size tokens if it is longer than that, each piece after as much of the text before it as
-      fits.
+      The harness splits the text into tokens (a context's trailing spaces go to the continuation); an empty
+      context, also one that was only spaces, is the document separator, as in the harness's own models. Requests
+      are sorted by length and batch_size of them run in one right-padded forward pass: attention is causal, so
+      padding after a row never changes its scores. A context that does not fit in block_size loses tokens from the
+      LEFT; the continuation is always scored whole, in pieces of block_size tokens if it is longer than that, each
+      piece after as much of the text before it as fits.
   loglikelihood_rolling(text)  log P(text) after the document separator, for perplexity tasks: the same pieces are
       the harness's rolling windows (every token predicted once, each window as long as block_size allows).
   generate_until(context, until, max_gen_toks)  KV-cached generation, one request at a time (contexts differ in
@@ -134,6 +134,7 @@ class CheckpointLM(TemplateLM):
         """[(log P(continuation | context), greedy?)] for requests [(strings, context ids, continuation ids)]."""
         rows, owner = [], []  # continuations cut into pieces of at most block_size tokens
         for i, (_, context, continuation) in enumerate(requests):
+            context = context or [self.prefix_token_id]  # every token is scored after one before it
             for start in range(0, len(continuation), self.block_size):
                 rows.append((context + continuation[:start], continuation[start:start + self.block_size]))
                 owner.append(i)
@@ -235,12 +236,8 @@ if __name__ == "__main__":
     if include_path and not os.path.isdir(include_path):
         die(f"--include_path={include_path} is not a folder; point it at a folder of task YAML files")
     try:
-        dtype, dtype_reason, autocast = precision(device, dtype)
-    except ValueError as e:
-        die(str(e))
-
-    try:
         model, checkpoint = GPT.from_checkpoint(os.path.join(out_dir, "ckpt.pt"), device)
+        dtype, dtype_reason, autocast = precision(device, dtype, model.config.n_embd, model.config.block_size)
     except (ValueError, FileNotFoundError) as e:
         die(str(e))
     try:

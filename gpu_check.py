@@ -174,8 +174,8 @@ def generate_check():
     seconds, stdout = run("generate", [python, bench_py, *model, f"--device={device}", f"--dtype={dtype}",
                                        "--compile=False", "--batch_size=8", "--warmup_steps=0", "--timed_steps=1",
                                        f"--gen_tokens={gen_tokens}", "--gen_prompt_len=16"])
-    m = re.search(r"x 8 sequences: cached ([0-9.]+) tokens/s, uncached ([0-9.]+) tokens/s, cache speed-up "
-                  r"([0-9.]+)x", stdout)
+    m = re.search(r"x 8 sequences: cached [0-9.]+ ms/step \(([0-9.]+) tokens/s\), uncached [0-9.]+ ms/step "
+                  r"\(([0-9.]+) tokens/s\), cache speed-up ([0-9.]+)x", stdout)
     if not m:
         raise CheckFailed("generate", [], f"bench.py printed no generation line: {stdout.strip()[-200:]!r}")
     return f"{gen_tokens} new tokens x 8 sequences: cached {float(m.group(1)):,.0f} tokens/s, uncached " \

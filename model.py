@@ -318,17 +318,20 @@ class GPT(nn.Module):
     def _loss(self, logits, targets):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
-    def forward(self, idx, targets=None, n_loop=None, kv_cache=None, last_only=False):
+    def forward(self, idx, targets=None, n_loop=None, kv_cache=None, head=None):
         """Logits for every position, and the mean cross-entropy when targets are given (-1 = ignore).
         n_loop runs another loop count than the model was built with (test-time depth); alpha and epsilon stay
         as built.
-        Used by generate(): kv_cache, a list with one KVCache per unrolled visit, and last_only, which spares the
-        output layer all positions but the last."""
+        Used by generate(): kv_cache, a list with one KVCache per unrolled visit, and head, generate's copy of the
+        output layer's weight (n_embd, vocab): with it only the last position gets logits."""
         start = kv_cache[0].past if kv_cache else 0
         x, rope = self._embed(idx, start), self._rope(start, idx.size(1))
         for i, block in enumerate(self._visits(n_loop)):
             x = block(x, kv_cache[i] if kv_cache is not None else None, rope)
-        logits = self.lm_head(self.transformer.ln_f(x[:, -1:] if last_only else x))
+        if head is not None:
+            logits = self.transformer.ln_f(x[:, -1:]) @ head
+        else:
+            logits = self.lm_head(self.transformer.ln_f(x))
         return logits, None if targets is None else self._loss(logits, targets)
 
     @torch.no_grad()
@@ -349,15 +352,21 @@ class GPT(nn.Module):
         recomputing the cropped context at every step. vocab_size_limit samples only ids below it: the output layer
         is padded (GPT-2's 50257 ids to 50304) and a tokenizer cannot decode the padding ids."""
         visits = len(self._visits(n_loop))
+        # A decode step reads every weight once and the output layer is most of them. F.linear reads the stored
+        # (vocab, n_embd) matrix far below the memory bandwidth, a product with this transposed contiguous copy near
+        # it (docs/speed.md); the copy is in the precision the steps compute in: under autocast its dtype.
+        weight, device_type = self.lm_head.weight, idx.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+        head = weight.to(dtype).t().contiguous()
         kv_cache = None
         for _ in range(max_new_tokens):
             if use_cache and kv_cache and kv_cache[0].past < self.config.block_size:
-                logits, _ = self(idx[:, -1:], n_loop=n_loop, kv_cache=kv_cache, last_only=True)
+                logits, _ = self(idx[:, -1:], n_loop=n_loop, kv_cache=kv_cache, head=head)
             else:
                 kv_cache = [KVCache() for _ in range(visits)] if use_cache else None
-                logits, _ = self(idx[:, -self.config.block_size:], n_loop=n_loop, kv_cache=kv_cache,
-                                 last_only=True)
-            logits = logits[:, -1, :vocab_size_limit] / temperature
+                logits, _ = self(idx[:, -self.config.block_size:], n_loop=n_loop, kv_cache=kv_cache, head=head)
+            # the softmax in float32 whatever the step computed in, over the real vocabulary only
+            logits = logits[:, -1, :vocab_size_limit].float() / temperature
             if top_k is not None:  # sample among the top_k candidates only: far cheaper than masking a large vocab
                 logits, candidates = torch.topk(logits, min(top_k, logits.size(-1)))
                 idx_next = candidates.gather(-1, torch.multinomial(F.softmax(logits, dim=-1), num_samples=1))
@@ -419,6 +428,15 @@ class GPT(nn.Module):
     def estimate_mfu(self, tokens_per_iter, dt, peak_flops):
         """Model FLOPs utilisation: achieved training FLOP/s over peak_flops (e.g. 989e12 for an H100's bf16)."""
         return self.flops_per_token() * tokens_per_iter / dt / peak_flops
+
+    def decode_step_bytes(self, sequences, past, element_size, n_loop=None):
+        """Bytes a cached decode step must read from memory at the least, the yardstick of bench.py's decode floor
+        (these bytes over the memory bandwidth): every weight of the blocks and of the output layer once, and the
+        keys and values of `past` positions of each sequence in every unrolled visit. The embeddings' few rows and
+        the activations are left out."""
+        weights = sum(p.numel() for p in self.transformer.h.parameters()) + self.lm_head.weight.numel()
+        cache = 2 * len(self._visits(n_loop)) * sequences * past * self.config.n_embd
+        return (weights + cache) * element_size
 
     @classmethod
     def from_checkpoint(cls, path, device="cpu"):

@@ -6,7 +6,8 @@ each physical block at every evaluation (1: the visits' gradients are orthogonal
     python plot.py out-deeploop out-deepnorm out-unlooped --png=compare.png
 
 Each run is a folder holding the metrics.jsonl that train.py writes; its legend entry names its residual scheme and
-loop count (and the folder, where two runs share both). Needs matplotlib.
+loop count (and the folder, where two runs share both). Runs on a task of tasks.py (config/depth_cpu.py) get a third
+panel: the val accuracy by k at the last evaluation, and the best shortcut (dashed). Needs matplotlib.
 """
 
 import json
@@ -59,7 +60,10 @@ if __name__ == "__main__":
     matplotlib.use("Agg")  # files only, no window
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_kappa) = plt.subplots(1, 2, figsize=(13, 5))
+    from tasks import best_shortcut  # here: it imports torch, which reading metrics does not need
+
+    task_runs = any("accuracy" in r for _, _, kinds in runs for r in kinds.get("eval", []))
+    fig, (ax_loss, ax_kappa, *ax_task) = plt.subplots(1, 2 + task_runs, figsize=(13 + 6 * task_runs, 5))
     for color, label, (_, config, kinds) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"] * len(runs),
                                                 labels, runs):
         train, evals = kinds.get("train", []), kinds.get("eval", [])
@@ -70,9 +74,18 @@ if __name__ == "__main__":
             ax_kappa.plot([r["tokens"] for r in evals], [r["loop"]["kappa"][block] for r in evals], "o-", color=color,
                           ms=3, alpha=1 - 0.6 * block / config["n_layer"],
                           label=f"{label}: blocks 0-{config['n_layer'] - 1}" if block == 0 else None)
+        if evals and "accuracy" in evals[-1]:
+            ks = sorted(evals[-1]["accuracy"], key=int)
+            ax_task[0].plot([int(k) for k in ks], [evals[-1]["accuracy"][k] for k in ks], "o-", color=color, ms=3,
+                            label=f"{label}, step {evals[-1]['iter']}")
+            shortcut = best_shortcut(kinds["start"][-1]["shortcuts"])
+            ax_task[0].plot([int(k) for k in ks], [shortcut[k] for k in ks], "--", color=color, lw=1)
     ax_loss.set(xlabel="tokens", ylabel="loss (nats)", title="train and val loss")
     ax_kappa.set(xlabel="tokens", ylabel="kappa_R", title="kappa_R per block (paler: later blocks)")
-    for ax in (ax_loss, ax_kappa):
+    if task_runs:
+        ax_task[0].set(xlabel="k (pointers to follow)", ylabel="val accuracy", ylim=(0, 1.02),
+                       title="accuracy by k (dashed: the best shortcut)")
+    for ax in (ax_loss, ax_kappa, *ax_task):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -18,8 +18,9 @@ import torch._dynamo
 
 from common import precision, tune_malloc
 from configurator import configure, die
-from dataset import get_tokenizer
+from dataset import get_tokenizer, valid_text
 from model import GPT
+from tasks import TASKS
 
 out_dir = "out"  # the train.py run to sample from: reads out_dir/ckpt.pt
 start = "\n"  # the prompt, or "FILE:path" to read it from a file; "" starts at a document boundary
@@ -42,10 +43,6 @@ for name, value in (("num_samples", num_samples), ("max_new_tokens", max_new_tok
         die(f"--{name} must be >= 0, got {value}")
 if temperature <= 0:
     die(f"--temperature must be > 0, got {temperature} (use --top_k=1 for greedy decoding)")
-try:
-    dtype, dtype_reason, ctx = precision(device, dtype)
-except ValueError as e:
-    die(str(e))
 
 if start.startswith("FILE:"):
     path = start[len("FILE:"):]
@@ -59,9 +56,13 @@ if start.startswith("FILE:"):
 
 try:
     model, checkpoint = GPT.from_checkpoint(f"{out_dir}/ckpt.pt", device)
+    dtype, dtype_reason, ctx = precision(device, dtype, model.config.n_embd, model.config.block_size)
 except (FileNotFoundError, ValueError) as e:
     die(str(e))
 model.eval()
+if checkpoint["config"].get("dataset") in TASKS:
+    die(f"{out_dir} was trained on the {checkpoint['config']['dataset']} task, not on text: show its answers with "
+        f"python depth_eval.py --out_dir={out_dir}")
 try:
     enc = get_tokenizer(checkpoint["tokenizer"])
 except (ValueError, FileNotFoundError) as e:
@@ -72,6 +73,7 @@ if compile:
     # uncompiled, so hitting it is an error
     torch._dynamo.config.fail_on_recompile_limit_hit = True
 
+start = valid_text(start)  # a lone surrogate (--start='"\ud800"') becomes U+FFFD, as in the tokenizers
 start_ids = enc.encode_ordinary(start) or [enc.eot_token]  # an empty prompt starts a new document
 x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, :]
 

@@ -7,6 +7,12 @@ is measured here is exactly what train.py does. Three modes share the runs, the 
     python sweep.py --mode=loops      # Table 1: loop counts R = 1, 3, 5, 7 at fixed physical depth, 3 seeds
     python sweep.py --mode=transfer   # does each scheme's best learning rate stay put as R grows? R = 1, 2, 4, 8
     python sweep.py --mode=loops --schemes=preln,deeploop,deepnorm,postln --seeds=0   # any grid, by override
+    python sweep.py --mode=depth      # where depth is the bottleneck: accuracy by k on pointer chains (tasks.py)
+
+The depth mode is apart from the other three: its runs train config/depth_cpu.py (the settings of the model and the
+budget given to sweep.py on the command line override it), scheme `untied` is the control with n_layer * R blocks
+run once (Pre-LN, R times the parameters), and its results are accuracy by k instead of loss; see the end of the
+file and docs/depth_task.md.
 
 Each mode runs every combination of its schemes x loops x exponents x learning_rates x seeds (an empty setting takes
 the mode's default, MODES below) and writes out_dir/results.md (tables), out_dir/<mode>.png (its plot) and
@@ -34,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from common import choose_dtype
 from configurator import configure, die
 from dataset import load_meta, read_shard
 from model import OWN_EXPONENT, RESIDUALS
@@ -41,7 +48,7 @@ from plot import read_metrics
 from prepare_data import prepare_builtin_if_missing
 
 # -----------------------------------------------------------------------------------------------------------------
-mode = "exponent"         # exponent | lr | loops | transfer
+mode = "exponent"         # exponent | lr | loops | transfer | depth
 out_dir = ""              # default: out-sweep-<mode>
 dataset = "builtin_bytes"
 # the grid; "" takes the mode's default from MODES
@@ -61,6 +68,7 @@ batch_size = 8
 max_iters = 400           # the token budget: max_iters * batch_size * block_size tokens per run
 warmup_iters = 100        # Post-LN needs a real warmup: with 30, every Post-LN scheme stalled at unigram level
 eval_iters = 20
+dtype = "auto"            # one precision for every run; auto: measured once here (common.choose_dtype)
 config = configure(globals(), sys.argv[1:])
 # -----------------------------------------------------------------------------------------------------------------
 
@@ -74,12 +82,18 @@ MODES = {
     # the rival's claim (arXiv 2606.18524): with preln_scaled the best rate depends on n_layer only, not on R
     "transfer": dict(schemes="preln,preln_scaled,deeploop,deepnorm", loops="1,2,4,8", exponents="0",
                      learning_rates="1e-3,2e-3,4e-3,8e-3,1.6e-2,3.2e-2", seeds="0,1,2"),
+    "depth": dict(schemes="preln,deeploop,deepnorm,untied", loops="1,2,4,8", exponents="0",
+                  learning_rates="1e-3,3e-3", seeds="0,1,2"),
 }
+DEPTH_CONFIG = "config/depth_cpu.py"  # what every run of the depth mode trains, before the grid's settings
+MODEL_AND_BUDGET = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "max_iters", "warmup_iters",
+                    "eval_iters")
 # Appendix C of the paper: runs out of 5 (GPT-2 small, R = 3, ~2,700 steps) that escaped the unigram floor
 PAPER_ESCAPED = {0.30: 0, 0.35: 1, 0.40: 2, 0.45: 2, 0.50: 3, 0.55: 5, 0.60: 5}
 
 if mode not in MODES:
-    die(f"unknown mode {mode!r}; use --mode=exponent, --mode=lr, --mode=loops or --mode=transfer")
+    die(f"unknown mode {mode!r}; use --mode=exponent, --mode=lr, --mode=loops, --mode=transfer or "
+        f"--mode=depth")
 out_dir = out_dir or f"out-sweep-{mode}"
 
 
@@ -95,8 +109,9 @@ scheme_list = str(schemes or MODES[mode]["schemes"]).split(",")
 loop_list, seed_list = number_list("loops", int), number_list("seeds", int)
 exponent_list, lr_list = number_list("exponents", float), number_list("learning_rates", float)
 for scheme in scheme_list:
-    if scheme not in RESIDUALS:
-        die(f"unknown scheme '{scheme}' in --schemes; use {', '.join(RESIDUALS)}")
+    known = RESIDUALS + (("untied",) if mode == "depth" else ())
+    if scheme not in known:
+        die(f"unknown scheme '{scheme}' in --schemes; use {', '.join(known)}")
     if scheme not in OWN_EXPONENT and any(exponent_list):
         die(f"--exponents apply to deeploop and deepnorm only, not {scheme}; drop it from --schemes")
 
@@ -122,13 +137,24 @@ def train(scheme, n_loop, exponent, lr, seed):
     if os.path.isfile(result_path):
         with open(result_path) as f:
             return json.load(f)
-    args = dict(out_dir=run_dir, dataset=dataset, residual=scheme, residual_exponent=exponent, n_layer=n_layer,
-                n_loop=n_loop, n_head=n_head, n_embd=n_embd, block_size=block_size, batch_size=batch_size,
-                gradient_accumulation_steps=1, dropout=0.0, learning_rate=lr, min_lr=lr / 10,
-                warmup_iters=warmup_iters, max_iters=max_iters, lr_decay_iters=max_iters, eval_interval=max_iters,
-                eval_iters=eval_iters, log_interval=max(1, max_iters // 25), seed=seed, device="cpu",
-                dtype="float32", compile=False)
-    cmd = [sys.executable, "train.py"] + [f"--{k}={v}" for k, v in args.items()]
+    if mode == "depth":
+        # the untied control: the same unrolled depth as R loops over n_layer blocks, every block its own
+        untied = scheme == "untied"
+        args = dict({k: config[k] for k in MODEL_AND_BUDGET if any(a.startswith(f"--{k}=") for a in sys.argv[1:])},
+                    out_dir=run_dir, residual="preln" if untied else scheme, residual_exponent=exponent,
+                    n_layer=n_layer * n_loop if untied else n_layer, n_loop=1 if untied else n_loop,
+                    learning_rate=lr, min_lr=lr / 10, seed=seed, device="cpu", dtype=run_dtype, compile=False)
+        if "max_iters" in args:
+            args.update(lr_decay_iters=args["max_iters"], eval_interval=args["max_iters"])
+        cmd = [sys.executable, "train.py", DEPTH_CONFIG] + [f"--{k}={v}" for k, v in args.items()]
+    else:
+        args = dict(out_dir=run_dir, dataset=dataset, residual=scheme, residual_exponent=exponent, n_layer=n_layer,
+                    n_loop=n_loop, n_head=n_head, n_embd=n_embd, block_size=block_size, batch_size=batch_size,
+                    gradient_accumulation_steps=1, dropout=0.0, learning_rate=lr, min_lr=lr / 10,
+                    warmup_iters=warmup_iters, max_iters=max_iters, lr_decay_iters=max_iters,
+                    eval_interval=max_iters, eval_iters=eval_iters, log_interval=max(1, max_iters // 25), seed=seed,
+                    device="cpu", dtype=run_dtype, compile=False)
+        cmd = [sys.executable, "train.py"] + [f"--{k}={v}" for k, v in args.items()]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -139,15 +165,43 @@ def train(scheme, n_loop, exponent, lr, seed):
     evals = [r for r in records if r["type"] == "eval"]
     final = evals[-1] if proc.returncode == 0 else None  # a diverged run (non-finite loss) has no final eval
     kappa = final["loop"]["kappa"] if final else None
-    result = dict(name=name, scheme=scheme, n_loop=n_loop, exponent=exponent, lr=lr, seed=seed,
+    result = dict(name=name, scheme=scheme, n_loop=n_loop, exponent=exponent, lr=lr, seed=seed, dtype=run_dtype,
                   seconds=time.time() - t0, val_loss=final["val_loss"] if final else None,
                   kappa=sum(kappa) / len(kappa) if kappa else None,  # mean over the physical blocks
                   curve=[(r["iter"], r["loss"]) for r in records if r["type"] == "train"])
+    if mode == "depth":
+        result.update(depth_result(run_dir, records, final))
     with open(result_path, "w") as f:
         json.dump(result, f)
     status = "diverged" if final is None else f"val {result['val_loss']:.4f} kappa {result['kappa']:.2f}"
+    if mode == "depth" and final:
+        status = f"accuracy {mean_over_k(result['accuracy']):.3f} kappa {result['kappa']:.2f}"
     print(f"{name:40s} {status:>24s}  ({result['seconds']:.0f} s)", flush=True)
     return result
+
+
+def depth_result(run_dir, records, final):
+    """The depth mode's figures of a finished run: val accuracy by k at the end, the best shortcut by k, and the
+    accuracy by k at other loop counts (test-time depth: each of the sweep's loop counts, and twice the largest)."""
+    import torch
+    from model import GPT
+    from dataset import EVAL_SEED
+    from tasks import best_shortcut, evaluate, make_task
+    start = [r for r in records if r["type"] == "start"][-1]
+    result = dict(accuracy=final["accuracy"] if final else None, shortcut=best_shortcut(start["shortcuts"]),
+                  test_time={})
+    if final and start["config"]["n_layer"] == n_layer:  # not the untied control
+        torch.set_num_threads(1)
+        model, checkpoint = GPT.from_checkpoint(os.path.join(run_dir, "ckpt.pt"))
+        task = make_task(checkpoint["config"], "val", EVAL_SEED)
+        for loops in sorted(set(loop_list) | {2 * max(loop_list)}):
+            result["test_time"][str(loops)] = evaluate(model, task, checkpoint["config"]["eval_iters"],
+                                                       checkpoint["config"]["batch_size"], loops)
+    return result
+
+
+def mean_over_k(accuracy):
+    return sum(accuracy.values()) / len(accuracy)
 
 
 def mean_std(values):
@@ -165,17 +219,40 @@ def scheme_label(scheme, exponent):
     return scheme if not exponent else f"{scheme} p={exponent:g}"
 
 
+def sweep_dtype():
+    """(the precision of every run, why). Runs that each measured could pick differently on a noisy machine, so
+    the sweep decides once: the precision of the runs it already has (float32 before sweeps recorded it), else as
+    set, else measured here at the runs' shapes."""
+    runs_dir, done = os.path.join(out_dir, "runs"), set()
+    for name in os.listdir(runs_dir) if os.path.isdir(runs_dir) else []:
+        if os.path.isfile(os.path.join(runs_dir, name, "result.json")):
+            with open(os.path.join(runs_dir, name, "result.json")) as f:
+                done.add(json.load(f).get("dtype", "float32"))
+    if len(done) > 1 or done and dtype not in ("auto", *done):
+        die(f"{out_dir} holds runs in {', '.join(sorted(done))}; a sweep keeps one precision: leave --dtype at auto "
+            f"or choose another --out_dir")
+    if done:
+        return done.pop(), f"the precision of the runs in {out_dir}"
+    try:
+        return choose_dtype("cpu", dtype, n_embd, batch_size * block_size)
+    except ValueError as e:
+        die(str(e))
+
+
 t_start = time.time()
-data_dir = prepare_builtin_if_missing(dataset)  # once, here: parallel runs must not all start preparing it
-floor = unigram_floor(data_dir)
-unit = "byte" if load_meta(data_dir)["tokenizer"] == "bytes" else "token"
-print(f"unigram floor of data/{dataset} (train split): {floor:.4f} nats per {unit}; a run has escaped it when its "
-      f"final val loss is below {floor - escape_margin:.4f}")
+run_dtype, dtype_reason = sweep_dtype()
+print(f"dtype {run_dtype} for every run: {dtype_reason}")
+if mode != "depth":
+    data_dir = prepare_builtin_if_missing(dataset)  # once, here: parallel runs must not all start preparing it
+    floor = unigram_floor(data_dir)
+    unit = "byte" if load_meta(data_dir)["tokenizer"] == "bytes" else "token"
+    print(f"unigram floor of data/{dataset} (train split): {floor:.4f} nats per {unit}; a run has escaped it when "
+          f"its final val loss is below {floor - escape_margin:.4f}")
 grid = [(s, r, p, lr, seed) for s in scheme_list for r in loop_list for p in exponent_list for lr in lr_list
-        for seed in seed_list]
+        for seed in seed_list if (s, r) != ("untied", 1)]  # untied at R = 1 is Pre-LN at R = 1
 jobs = sorted(grid, key=lambda job: -job[1])  # the deepest runs first: the last minutes are not one run on one core
-print(f"{mode} sweep: {len(grid)} runs of {max_iters * batch_size * block_size:,} tokens, {workers} at a time, into "
-      f"{out_dir}/runs", flush=True)
+budget = "the settings of " + DEPTH_CONFIG if mode == "depth" else f"{max_iters * batch_size * block_size:,} tokens"
+print(f"{mode} sweep: {len(grid)} runs of {budget}, {workers} at a time, into {out_dir}/runs", flush=True)
 with ThreadPoolExecutor(workers) as pool:
     results = dict(zip(jobs, pool.map(lambda job: train(*job), jobs)))
 minutes = (time.time() - t_start) / 60
@@ -187,6 +264,111 @@ run_minutes = sum(run["seconds"] for run in results.values()) / 60
 groups = {}  # (scheme, R, p, lr) -> its runs, one per seed
 for (s, r, p, lr, seed), run in sorted(results.items()):
     groups.setdefault((s, r, p, lr), []).append(run)
+
+if mode == "depth":
+    # -------------------------------------------------------------------------------------------------------------
+    # the depth mode's tables and plots: val accuracy by k (tasks.py) where the other modes have loss
+
+    def by_k(runs, field="accuracy"):
+        """{k: (mean, std) over the runs} of a field that holds accuracy by k"""
+        return {k: mean_std([run[field][k] for run in runs]) for k in runs[0][field]} if runs else {}
+
+    def cell(stat):
+        return "—" if stat is None else f"{stat[0]:.2f} ± {stat[1]:.2f}"
+
+    done = {key: [run for run in runs if run["accuracy"]] for key, runs in groups.items()}
+    shortcut = next(run["shortcut"] for run in results.values())
+    ks = sorted(shortcut, key=int)
+    hardest = ks[-1]
+    best_lr = {}  # (scheme, R, p) -> the rate with the highest mean accuracy over k and seeds; none with a diverged run
+    for (s, r, p, lr), runs in groups.items():
+        if len(done[s, r, p, lr]) == len(runs):
+            score = sum(mean_over_k(run["accuracy"]) for run in runs) / len(runs)
+            if score > best_lr.get((s, r, p), (-1, None))[0]:
+                best_lr[s, r, p] = (score, lr)
+    best = {key: (lr, done[(*key, lr)]) for key, (_, lr) in best_lr.items()}
+    first = next(iter(results.values()))
+    lines = [f"# sweep.py --mode=depth", "",
+             f"Val accuracy by k (the pointers to follow) on the task of {DEPTH_CONFIG} (tasks.py), {n_layer} physical "
+             f"blocks looped R times; `untied` is the control with {n_layer}R blocks run once (Pre-LN). Seeds "
+             f"{','.join(map(str, seed_list))}, learning rates {', '.join(f'{lr:g}' for lr in lr_list)}; mean ± std "
+             f"over seeds. Chance is 1/chain_values; the best shortcut is the best of the guesses that do not follow "
+             f"the chains (tasks.shortcuts), on the same val batches.", "",
+             "Each scheme at its best learning rate (highest mean accuracy over k; a rate with a diverged run is not "
+             "eligible):", "",
+             "| scheme | R | lr | " + " | ".join(f"k={k}" for k in ks) + " | kappa_R |",
+             "|---|---|---|" + "---|" * (len(ks) + 1),
+             "| best shortcut | | | " + " | ".join(f"{shortcut[k]:.2f}" for k in ks) + " | |"]
+    for s in scheme_list:
+        for p in exponent_list:
+            for r in loop_list:
+                if (s, r, p) in best:
+                    lr, runs = best[s, r, p]
+                    acc = by_k(runs)
+                    lines.append(f"| {scheme_label(s, p)} | {r} | {lr:g} | " + " | ".join(cell(acc[k]) for k in ks)
+                                 + f" | {fmt(mean_std([run['kappa'] for run in runs]), 2)} |")
+                elif any(key[:3] == (s, r, p) for key in groups):
+                    lines.append(f"| {scheme_label(s, p)} | {r} | — | every rate had a diverged run |")
+    lines += ["", f"Every run: accuracy at the hardest k = {hardest}, mean accuracy over k, and kappa_R (visit "
+              f"alignment, mean over the physical blocks) at the end of training:", "",
+              "| scheme | R | lr | seed | k=" + hardest + " | mean over k | kappa_R |", "|---|---|---|---|---|---|---|"]
+    for (s, r, p, lr, seed), run in sorted(results.items()):
+        if run["accuracy"]:
+            lines.append(f"| {scheme_label(s, p)} | {r} | {lr:g} | {seed} | {run['accuracy'][hardest]:.2f} | "
+                         f"{mean_over_k(run['accuracy']):.2f} | {run['kappa']:.2f} |")
+        else:
+            lines.append(f"| {scheme_label(s, p)} | {r} | {lr:g} | {seed} | diverged | | |")
+    test_loops = sorted({int(n) for run in results.values() for n in run["test_time"]})
+    lines += ["", "Test-time depth: the looped models at their best rate, run at other loop counts than they were "
+              "trained with (mean accuracy over k, mean over seeds):", "",
+              "| scheme | trained R | " + " | ".join(f"run at {n}" for n in test_loops) + " |",
+              "|---|---|" + "---|" * len(test_loops)]
+    for (s, r, p), (lr, runs) in best.items():
+        if runs and runs[0]["test_time"]:
+            means = [sum(mean_over_k(run["test_time"][str(n)]) for run in runs) / len(runs) for n in test_loops]
+            lines.append(f"| {scheme_label(s, p)} | {r} | " + " | ".join(
+                f"**{m:.2f}**" if n == r else f"{m:.2f}" for n, m in zip(test_loops, means)) + " |")
+    lines += ["", f"Sweep time: {minutes:.1f} min wall with {workers} worker(s), {run_minutes:.1f} min summed over the "
+              f"runs trained in this invocation and earlier ones. Command: "
+              f"`{' '.join(['python sweep.py'] + sys.argv[1:])}`"]
+    table = "\n".join(lines)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(table + "\n")
+    print(table)
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = [(s, p) for s in scheme_list for p in exponent_list]
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4.2 * (len(panels) + 1), 4), squeeze=False)
+    for ax, (s, p) in zip(axes[0], panels):
+        for i, r in enumerate(loop_list):
+            if (s, r, p) in best and best[s, r, p][1]:
+                acc = by_k(best[s, r, p][1])
+                ax.errorbar([int(k) for k in ks], [acc[k][0] for k in ks], yerr=[acc[k][1] for k in ks], marker="o",
+                            ms=3, capsize=2, color=plt.cm.viridis(i / max(1, len(loop_list) - 1)),
+                            label=f"R={r} (lr {best[s, r, p][0]:g})")
+        ax.plot([int(k) for k in ks], [shortcut[k] for k in ks], "k--", lw=1, label="best shortcut")
+        ax.set(xlabel="k (pointers to follow)", ylim=(0, 1.02), title=scheme_label(s, p))
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("val accuracy (mean ± std over seeds)")
+    ax = axes[0][-1]
+    for s, p in panels:
+        points = [(r, *mean_std([run["accuracy"][hardest] for run in best[s, r, p][1]])) for r in loop_list
+                  if (s, r, p) in best and best[s, r, p][1]]
+        if points:
+            xs, ms, sd = zip(*points)
+            ax.errorbar(xs, ms, yerr=sd, marker="o", capsize=3, label=scheme_label(s, p))
+    ax.axhline(shortcut[hardest], color="black", ls="--", lw=1, label="best shortcut")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(loop_list, [str(r) for r in loop_list])
+    ax.set(xlabel=f"R (unrolled depth {n_layer}R)", ylim=(0, 1.02), title=f"accuracy at the hardest k = {hardest}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "depth.png"), dpi=110)
+    print(f"plot: {os.path.join(out_dir, 'depth.png')}")
+    print(f"sweep took {minutes:.1f} min")
+    sys.exit(0)
 
 
 def summary(runs):

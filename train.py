@@ -17,6 +17,7 @@ step finish; then the run writes ckpt.pt, prints the command that resumes it and
 second signal, a second or more later, stops at once; ckpt.pt is only ever replaced whole, so the previous one stays.
 """
 
+import atexit
 import fcntl
 import json
 import math
@@ -38,9 +39,10 @@ from tqdm import tqdm
 
 from common import default_peak_flops, precision, tune_malloc
 from configurator import configure, die
-from dataset import TokenWindows, load_meta
+from dataset import EVAL_SEED, TokenWindows, load_meta
 from model import GPT, GPTConfig
 from prepare_data import prepare_builtin_if_missing
+from tasks import TASKS, accuracy_by_k, best_shortcut, format_by_k, hits_by_k, make_task, shortcuts
 
 # ---------------------------------------------------------------------------------------------------------------------
 # config; the defaults are a GPT-2-small-wide looped model on OpenWebText (like config/loop_small.py)
@@ -55,7 +57,10 @@ wandb_log = False        # also log to Weights & Biases (needs `pip install wand
 wandb_project = "deeploop"
 wandb_run_name = "run"
 # data
-dataset = "openwebtext"  # folder data/<dataset> from prepare_data.py; builtin and builtin_bytes prepare themselves
+dataset = "openwebtext"  # folder data/<dataset> from prepare_data.py (builtin and builtin_bytes prepare themselves),
+#                          or a task of tasks.py made on the fly: chains (pointer chains, block_size cells a sequence)
+chain_values = 8         # chains: the values a chain can start with (chance is 1 / chain_values)
+chain_hops = 6           # chains: pointers in the longest chain; accuracy is reported for k = 1 .. chain_hops
 # Micro-batches per optimizer step over ALL processes together (as in nanoGPT): each of the W DDP processes runs
 # gradient_accumulation_steps / W of them, so a step sees the same tokens whatever the number of processes.
 gradient_accumulation_steps = 40
@@ -141,6 +146,11 @@ if ddp:
         cpu_group = dist.new_group(backend="gloo")
     else:
         dist.init_process_group(backend="gloo")
+    # Every way out after this (an agreed stop, die(), an error, the end) tears the process group down while Python
+    # is still whole (atexit runs first at exit). Left to the interpreter's teardown, gloo's worker threads can drop
+    # the last collective's tensors after Python is gone, and the process aborts (SIGABRT) instead of exiting with
+    # its code; destroy_process_group joins those threads first.
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 
 
 def agree(*flags):
@@ -176,7 +186,6 @@ if gradient_accumulation_steps % world_size:
 accum_steps = gradient_accumulation_steps // world_size  # micro-batches this process runs per step
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 device_type = device.split(":")[0]
-dtype, dtype_reason, autocast = precision(device, dtype)  # for the device this process runs on
 if compile is None:
     compile = device_type == "cuda"
 if device_type == "cpu":
@@ -209,19 +218,24 @@ def lock_out_dir():
 
 
 on_master(lock_out_dir)
-# data: builtin and builtin_bytes are made here when missing (by the master; the others wait for it)
-on_master(lambda: prepare_builtin_if_missing(dataset))
-data_dir = os.path.join("data", dataset)
 # The reader is a pure function of (seed, split, index): the data position is the step number, which makes resuming
 # exact and lets DDP ranks split a step's micro-batches between them. Evaluation windows are fixed and the same in
 # every run on a dataset, whatever its seed, so that runs with other seeds or schemes are compared on the same text;
-# the train-split ones are drawn with a seed that training does not use.
-EVAL_SEED = 2**32 - 1
+# the train-split ones are drawn with a seed that training does not use (EVAL_SEED).
+task = dataset in TASKS  # made on the fly: answers at some positions only, and their accuracy by k at evaluations
 try:
-    meta = load_meta(data_dir)  # a missing dataset: the error names the command that prepares it
-    train_data = TokenWindows(data_dir, "train", block_size, seed)
-    train_eval_data = TokenWindows(data_dir, "train", block_size, EVAL_SEED)
-    val_data = TokenWindows(data_dir, "val", block_size, EVAL_SEED)
+    if task:
+        train_data, train_eval_data, val_data = (make_task(globals(), split, s) for s, split in
+                                                 ((seed, "train"), (EVAL_SEED, "train"), (EVAL_SEED, "val")))
+        meta = dict(tokenizer=val_data.name, vocab_size=val_data.vocab_size)
+    else:
+        # builtin and builtin_bytes are made here when missing (by the master; the others wait for it)
+        on_master(lambda: prepare_builtin_if_missing(dataset))
+        data_dir = os.path.join("data", dataset)
+        meta = load_meta(data_dir)  # a missing dataset: the error names the command that prepares it
+        train_data = TokenWindows(data_dir, "train", block_size, seed)
+        train_eval_data = TokenWindows(data_dir, "train", block_size, EVAL_SEED)
+        val_data = TokenWindows(data_dir, "val", block_size, EVAL_SEED)
 except (ValueError, FileNotFoundError) as e:
     die(str(e))
 vocab_size = -(-meta["vocab_size"] // 64) * 64  # the tokenizer's n_vocab padded to a multiple of 64: faster matmuls
@@ -262,6 +276,9 @@ else:
         die(f"resuming {ckpt_path} with another model: {', '.join(changed)}; use the run's config unchanged")
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
     evaluated = checkpoint.get("evaluated", True)  # False: written on a signal or timer, before its step's evaluation
+# for the device this process runs on; on a CPU measured at this width, or a resumed run's own
+dtype, dtype_reason, autocast = precision(device, dtype, n_embd, batch_size * block_size,
+                                          checkpoint["config"].get("dtype") if init_from == "resume" else None)
 optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")  # float16 needs loss scaling; bfloat16 not
 
@@ -350,20 +367,29 @@ def save_checkpoint(evaluated):
 
 @torch.no_grad()
 def estimate_loss():
-    """Mean loss over eval_iters fixed batches per split; DDP processes share the batches out and sum."""
+    """Mean loss over eval_iters fixed batches per split; DDP processes share the batches out and sum. On a task, also
+    the val split's accuracy by k ({"1": accuracy, ...}; else None): the answer is the most likely token."""
     model.eval()
-    losses = {}
+    losses, accuracy = {}, None
     for split, data in (("train", train_eval_data), ("val", val_data)):
         total = torch.zeros((), device=device)
+        hits = counts = torch.zeros(chain_hops + 1, dtype=torch.float64)
         for index in range(rank, eval_iters, world_size):
-            x, y = to_device(data.batch(index, batch_size))
+            x, y = data.batch(index, batch_size)
             with autocast:
-                total += model(x, y)[1].float()
+                logits, loss = model(*to_device((x, y)))
+            total += loss.float()
+            if task and split == "val":
+                batch_hits, batch_counts = hits_by_k(val_data, logits.argmax(-1).cpu(), x, y)
+                hits, counts = hits + batch_hits, counts + batch_counts
         if ddp:
             dist.all_reduce(total)
         losses[split] = total.item() / eval_iters
+        if task and split == "val":
+            hits, counts = torch.tensor(gather((hits.tolist(), counts.tolist())), dtype=torch.float64).sum(0)
+            accuracy = accuracy_by_k(hits, counts)
     model.train()
-    return losses
+    return losses, accuracy
 
 
 def loop_diagnostics():
@@ -482,8 +508,15 @@ if master:
           f"({meta['tokenizer']}), {tokens_per_iter:,} tokens per step on {world_size} x {device} in {dtype}, "
           f"MFU against {peak_flops:.3g} FLOP/s per device ({peak_source})")
     print(f"dtype {dtype}: {dtype_reason}")
+    task_record = {}
+    if task:
+        # guesses that do not follow the chains, scored on the evaluation's own val batches
+        x, y = zip(*(val_data.batch(index, batch_size) for index in range(eval_iters)))
+        task_record = dict(shortcuts=shortcuts(val_data, torch.cat(x), torch.cat(y)))
+        print(f"{val_data.name}: chance {1 / chain_values:.3f}; the best shortcut (not following the chains) by k = "
+              f"1..{chain_hops}: {format_by_k(best_shortcut(task_record['shortcuts']))}")
     log(dict(type="start", iter=iter_num, resumed=init_from == "resume", params=n_params, world_size=world_size,
-             config={k: globals()[k] for k in config}))
+             config={k: globals()[k] for k in config}, **task_record))
 
 # ---------------------------------------------------------------------------------------------------------------------
 # training loop. Step iter_num trains on micro-batches iter_num * gradient_accumulation_steps + 0, 1, ...; process
@@ -492,6 +525,19 @@ first_iter, saved_iter = iter_num, iter_num if init_from == "resume" else None
 saved_time = time.monotonic()
 if master and init_from == "resume" and iter_num >= max_iters:
     print(f"{ckpt_path} is at step {iter_num} already; raise --max_iters to train on")
+
+
+def stop(signum):
+    """Every process ends here once ckpt.pt holds step iter_num; the master says how to resume."""
+    pbar.close()
+    if master:
+        command = [sys.argv[0]] + [a for a in sys.argv[1:] if not a.startswith("--init_from=")]
+        launcher = " (launched as this run was)" if ddp else ""
+        print(f"stopped by {signal.Signals(signum).name}: {ckpt_path} holds step {iter_num}; resume with: "
+              f"python {shlex.join(command)} --init_from=resume{launcher}", flush=True)
+    sys.exit(STOPPED)
+
+
 # a terminal gets a progress bar; a file or a CI log gets one plain line per log_interval instead
 bar = master and sys.stderr.isatty()
 pbar = tqdm(total=max_iters, initial=iter_num, disable=not bar, dynamic_ncols=True, desc="train")
@@ -515,18 +561,12 @@ while True:
             if master and not signum:
                 tqdm.write(f"step {iter_num}: wrote {ckpt_path} ({checkpoint_minutes:g} minutes since the last one)")
         if signum:
-            pbar.close()
-            if master:
-                command = [sys.argv[0]] + [a for a in sys.argv[1:] if not a.startswith("--init_from=")]
-                launcher = " (launched as this run was)" if ddp else ""
-                print(f"stopped by {signal.Signals(signum).name}: {ckpt_path} holds step {iter_num}; resume with: "
-                      f"python {shlex.join(command)} --init_from=resume{launcher}", flush=True)
-            sys.exit(STOPPED)
+            stop(signum)
     # Evaluate (and checkpoint) every eval_interval steps and at the end; a resumed run skips its first step's when
     # the run that wrote the checkpoint has already done and logged it.
     if eval_due and not (init_from == "resume" and iter_num == first_iter and evaluated):
         read_losses()  # a non-finite train loss is named first, before the evaluation it spoils
-        losses = estimate_loss()
+        losses, accuracy = estimate_loss()
         for split in ("train", "val"):
             if not math.isfinite(losses[split]):
                 stop_diverged(f"{split} loss", losses[split], iter_num)
@@ -539,9 +579,16 @@ while True:
             kappa = diagnostics["kappa"]
             tqdm.write(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, kappa_R "
                        f"(R={n_loop}) min {min(kappa):.2f} mean {sum(kappa) / len(kappa):.2f} max {max(kappa):.2f}")
+            if task:
+                tqdm.write(f"  val accuracy by k = 1..{len(accuracy)}: {format_by_k(accuracy)}")
             log(dict(type="eval", iter=iter_num, tokens=iter_num * tokens_per_iter, train_loss=losses["train"],
-                     val_loss=losses["val"], loop=diagnostics))
+                     val_loss=losses["val"], loop=diagnostics, **(dict(accuracy=accuracy) if task else {})))
         window_start, window_steps = time.perf_counter(), 0  # evaluation time does not count against tokens/s
+        # a signal during the evaluation stops here: ckpt.pt holds this step, and another step would mean another
+        # write within the scheduler's grace period
+        signum, = agree(stop_signal)
+        if signum and iter_num < max_iters:
+            stop(signum)
     if iter_num >= max_iters:
         break
 
@@ -591,5 +638,3 @@ if master:
     metrics_file.close()
     if wandb_log:
         wandb.finish()
-if ddp:
-    dist.destroy_process_group()

@@ -12,8 +12,10 @@ TINY = ["--n_layer=1", "--n_loop=3", "--n_head=2", "--n_embd=32", "--block_size=
         "--batch_size=2", "--warmup_steps=1", "--timed_steps=3", "--gen_tokens=8", "--gen_prompt_len=4", "--device=cpu"]
 MODEL = r"model: n_layer=(\d+) x n_loop=(\d+) \(unrolled depth 3\), n_embd 32, .*, cpu (\w+)(, compiled)?"
 TRAIN = rf"train: {NUM} tokens/s, {NUM} ms/step \(median of 3\), MFU {NUM}% of {NUM} GFLOP/s"
-GENERATE = rf"generate: 8 new tokens x (\d) sequences?: cached {NUM} tokens/s, uncached {NUM} tokens/s, " \
-           rf"cache speed-up {NUM}x"
+MEMORY = rf"memory: reads {NUM} GB/s \(best of sums and vector-matrix products over 256 MiB\)"
+GENERATE = rf"generate: 8 new tokens x (\d) sequences?: cached {NUM} ms/step \({NUM} tokens/s\), uncached {NUM} " \
+           rf"ms/step \({NUM} tokens/s\), cache speed-up {NUM}x; a cached step reads {NUM} MB: floor {NUM} ms, " \
+           rf"cached step {NUM}x the floor"
 
 
 def bench(*args):
@@ -28,8 +30,9 @@ def rows(lines):
         if line.startswith("model: "):
             model = re.fullmatch(MODEL, line)
             train = re.fullmatch(TRAIN, lines[i + 1])
-            generate = [re.fullmatch(GENERATE, lines[i + 2 + j]) for j in range(2)]
-            assert model and train and all(generate), lines[i:i + 4]
+            memory = re.fullmatch(MEMORY, lines[i + 2])
+            generate = [re.fullmatch(GENERATE, lines[i + 3 + j]) for j in range(2)]
+            assert model and train and memory and float(memory.group(1)) > 0 and all(generate), lines[i:i + 5]
             found.append((model.groups(), [float(x) for x in train.groups()],
                           {int(m.group(1)): [float(x) for x in m.groups()[1:]] for m in generate}))
     return found
@@ -39,13 +42,18 @@ def test_bench_prints_throughput_mfu_and_generation_speed_for_both_depths():
     result = bench("--compare_depths=True", "--dtype=float32", "--compile=False")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0] == "allocator: glibc malloc keeps freed memory (common.tune_malloc)"  # Linux with glibc here
+    # Linux with glibc here
+    assert re.fullmatch(rf"allocator: glibc malloc keeps freed memory \(common.tune_malloc\); load average {NUM} on "
+                        r"\d+ CPUs, torch threads 1", lines[0]), lines[0]
     assert lines[1] == "dtype float32: as set"
     found = rows(lines)
     assert [(model[:2], model[2]) for model, _, _ in found] == [(("1", "3"), "float32"), (("3", "1"), "float32")]
     for _, train, generate in found:
         assert set(generate) == {1, 2}  # one sequence and batch_size sequences
         assert all(x > 0 for x in train + generate[1] + generate[2])
+        for sequences, (cached_ms, tokens_per_s, _, _, _, _, floor_ms, ratio) in generate.items():
+            assert tokens_per_s == pytest.approx(sequences * 1000 / cached_ms, rel=0.01)
+            assert ratio == pytest.approx(cached_ms / floor_ms, rel=0.02)  # the ratio of the printed figures
     m = re.fullmatch(rf"compare: n_layer=1 x n_loop=3 trains at {NUM}x the tokens/s of n_layer=3 x n_loop=1 "
                      r"\(same unrolled FLOPs\)", lines[-1])
     assert m, lines[-1]

@@ -32,19 +32,51 @@ def test_cuda_with_native_bf16_gets_bfloat16_older_cuda_float16(gpu):
                                                  "scaling")
 
 
-NO_AMX = ("float32", "the CPU has no AMX bfloat16 units (amx_bf16); without them bfloat16 trains slower")
+@pytest.fixture
+def timings(monkeypatch):
+    """Made-up measurements: set the (float32, bfloat16) milliseconds that time_block_matmuls reports; its calls."""
+    made_up = dict(ms=(10.0, 5.0), calls=[])
+
+    def measure(n_embd, rows):
+        made_up["calls"].append((n_embd, rows))
+        return made_up["ms"][0] / 1e3, made_up["ms"][1] / 1e3, min(rows, 64)
+    monkeypatch.setattr(common, "time_block_matmuls", measure)
+    return made_up
 
 
-@pytest.mark.parametrize("flags,expected", [
-    ({"avx512f", "amx_bf16", "amx_tile", "avx512_bf16"}, ("bfloat16", "the CPU has AMX bfloat16 units (amx_bf16)")),
-    ({"avx2", "avx512f", "avx512_bf16"}, NO_AMX),  # measured slower in bfloat16: see common.py
-    ({"avx2", "avx512f"}, NO_AMX),
-    (set(), NO_AMX),
+@pytest.mark.parametrize("float32_ms,bfloat16_ms,expected", [
+    (10.0, 5.0, "bfloat16"),
+    (10.0, 8.6, "bfloat16"),  # 1.16x
+    (10.0, 9.0, "float32"),  # 1.11x: close, so float32, which reproduces bit for bit
+    (10.0, 30.0, "float32"),  # a CPU that emulates bfloat16
 ])
-def test_cpu_gets_bfloat16_only_with_amx(flags, expected, monkeypatch, gpu):
-    monkeypatch.setattr(common, "cpu_flags", lambda: flags)
-    assert choose_dtype("cpu") == expected
+def test_a_cpu_takes_bfloat16_only_when_measured_clearly_faster(float32_ms, bfloat16_ms, expected, timings, gpu):
+    timings["ms"] = (float32_ms, bfloat16_ms)
+    assert choose_dtype("cpu", "auto", 256, 2048) == (
+        expected, f"one block's matrix products (64 x 256, forward and backward) measured "
+                  f"{float32_ms / bfloat16_ms:.2f}x as fast in bfloat16 as in float32 ({bfloat16_ms:.1f} ms against "
+                  f"{float32_ms:.1f} ms of CPU time); bfloat16 needs 1.15x")
+    assert timings["calls"] == [(256, 2048)]
     assert choose_dtype("cuda") == ("bfloat16", "NVIDIA A100-SXM4-80GB computes bfloat16 natively")  # per device
+
+
+def test_an_explicit_dtype_or_a_resumed_runs_own_wins_over_a_measurement(timings, gpu):
+    assert choose_dtype("cpu", "float32") == ("float32", "as set")
+    assert choose_dtype("cpu", "bfloat16", trained_dtype="float32") == ("bfloat16", "as set")
+    assert choose_dtype("cpu", "auto", trained_dtype="float32") == (
+        "float32", "the precision its checkpoint was trained in (a measurement could differ)")
+    assert timings["calls"] == []  # nothing measured
+    # a GPU's rule does not depend on a measurement: it stays
+    assert choose_dtype("cuda", "auto", trained_dtype="float32")[0] == "bfloat16"
+
+
+def test_the_measurement_is_capped_in_size_and_leaves_seeds_and_threads_alone(monkeypatch):
+    monkeypatch.setattr(common, "MEASURE_FLOPS", 72 * 32 ** 2 * 20)  # 20 rows of width 32
+    threads, state = torch.get_num_threads(), torch.get_rng_state()
+    float32_seconds, bfloat16_seconds, rows = common.time_block_matmuls(32, 2048)
+    assert rows == 20 and 0 < float32_seconds < 1 and 0 < bfloat16_seconds < 1
+    assert common.time_block_matmuls(32, 12)[2] == 12  # fewer rows than the cap: as given
+    assert torch.get_num_threads() == threads and torch.equal(torch.get_rng_state(), state)
 
 
 def test_explicit_dtype_is_kept_and_unknown_is_an_error():
@@ -54,12 +86,6 @@ def test_explicit_dtype_is_kept_and_unknown_is_an_error():
         choose_dtype("cpu", "fp8")
     with pytest.raises(ValueError, match="unknown dtype 'auto'; choose float32, bfloat16 or float16"):
         autocast_context("cpu", "auto")  # resolve auto first
-
-
-def test_this_machines_cpu_flags_are_read():
-    if not os.path.isfile("/proc/cpuinfo"):
-        pytest.skip("no /proc/cpuinfo")
-    assert common.cpu_flags() & {"fpu", "sse2", "avx2", "neon", "fp", "asimd"}
 
 
 def test_synchronize_and_peak_flops_use_the_device_given(gpu):

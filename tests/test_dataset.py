@@ -51,6 +51,11 @@ def test_bytes_tokenizer():
     assert enc.decode(ids[:2] + [256] + ids[:1]) == "h\ufffd\n\nh"  # separator: a blank line
     assert enc.decode(list("é".encode())[:1]) == "\ufffd"  # a cut UTF-8 sequence does not crash
     assert enc.decode([104, 300, 105]) == "hi"  # ids of a padded head are dropped
+    # a lone surrogate (valid in JSON and in Python strings) has no UTF-8 form: U+FFFD, as GPT-2's tokenizer makes it
+    lone = "a\ud800b"
+    assert enc.encode_ordinary(lone) == enc.encode_ordinary_batch([lone])[0] == list("a\ufffdb".encode())
+    gpt2 = get_tokenizer("gpt2")
+    assert gpt2.decode(gpt2.encode_ordinary(lone)) == enc.decode(enc.encode_ordinary(lone)) == "a\ufffdb"
 
 
 # ---------------------------------------------------------------------------------------------------------------

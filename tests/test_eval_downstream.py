@@ -25,15 +25,6 @@ ENC = get_tokenizer("bytes")
 SENTENCE = "a quick brown fox jumps over lazy dogs."  # what the trained fixture model knows by heart
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # these models are tiny: on 2 busy shared cores a second intra-op thread only adds contention
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(autouse=True)
 def hf_cache(tmp_path, monkeypatch):
     """The datasets library's cache (where it keeps its copy of a local jsonl) in a tmp dir, not in ~/.cache."""
@@ -129,13 +120,20 @@ def test_loglikelihood_is_the_models_and_greedy_means_every_token_is_the_argmax(
 
 
 def test_a_batch_gives_the_one_by_one_values():
+    """Also for a context of spaces only: the harness moves them into the continuation, and the empty context left is
+    read as the document separator, as an empty one is."""
     model = random_gpt(block_size=16)
     pairs = [("The cat", " sat."), ("A much longer context, longer than the window", " and more"), ("", "x"),
-             ("x", " a long ending, longer than sixteen bytes"), ("hi", " there"), ("Q: 2+2?\nA:", " 4")]
+             ("x", " a long ending, longer than sixteen bytes"), ("hi", " there"), ("Q: 2+2?\nA:", " 4"), (" ", "x"),
+             ("  ", ""), ("x", "")]
     one = [lm_for(model, batch_size=1).loglikelihood(requests("loglikelihood", pair))[0] for pair in pairs]
     together = lm_for(model, batch_size=4).loglikelihood(requests("loglikelihood", *pairs))  # padded batches
     assert [greedy for _, greedy in together] == [greedy for _, greedy in one]
     assert [lp for lp, _ in together] == pytest.approx([lp for lp, _ in one], abs=1e-5)
+    eot = ENC.eot_token
+    assert one[6][0] == pytest.approx(by_hand(model, [eot, *tokens(" x")], 2), abs=1e-5)
+    assert one[7][0] == pytest.approx(by_hand(model, [eot, *tokens("  ")], 2), abs=1e-5)
+    assert one[8] == (0.0, True)  # nothing to score
 
 
 def test_a_long_context_is_cut_from_the_left_and_the_continuation_scored_whole():

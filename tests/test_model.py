@@ -268,6 +268,16 @@ def test_mfu_counts_flops_over_the_unrolled_depth():
     assert looped.estimate_mfu(1000, 1.0, 1e12) == pytest.approx(looped.flops_per_token() * 1000 / 1e12)
 
 
+def test_decode_floor_counts_each_weight_once_and_the_cache_of_every_visit():
+    model = GPT(tiny(n_layer=2, n_loop=3))  # width 32, vocabulary 128, with biases
+    # two LayerNorms, the q/k/v matrix, the attention output, the MLP's two matrices
+    block = 2 * 2 * 32 + (32 * 96 + 96) + (32 * 32 + 32) + (32 * 128 + 128) + (128 * 32 + 32)
+    head = 128 * 32  # the output layer, tied to the token embedding
+    cache = 2 * 6 * 3 * 10 * 32  # keys and values, 6 visits, 3 sequences, 10 positions, width 32
+    assert model.decode_step_bytes(3, 10, 4) == 4 * (2 * block + head + cache) == 164096
+    assert model.decode_step_bytes(3, 10, 2, n_loop=5) == 2 * (2 * block + head + cache * 10 // 6)  # bfloat16, 10 visits
+
+
 def test_one_token_decode_step_attends_without_a_mask(monkeypatch):
     """After the prompt, each new token is one query that may see every cached key: no mask is built or passed, so
     that the fastest attention kernels stay eligible (any attn_mask rules out flash attention)."""

@@ -113,6 +113,12 @@ def test_bytes_prepare_round_trip(tmp_path, corpus):
     train = split_documents(out, "train", 256)
     assert [bytes(d).decode("utf-8") for d in train] == docs[4:20]
     assert meta["tokens"] == {"train": sum(len(d.encode()) + 1 for d in docs[4:20]), "val": 0}
+    # a lone surrogate, valid in JSON but with no UTF-8 form, becomes U+FFFD, as with the gpt2 tokenizer
+    (tmp_path / "lone.jsonl").write_text('{"text": "a\\ud800b"}\n')
+    out = prepare([str(tmp_path / "lone.jsonl")], tokenizer="bytes", out_dir=str(tmp_path / "lone"), val_fraction=0.0,
+                  quiet=True)
+    assert split_documents(out, "train", 256) == [tuple("a\ufffdb".encode())]
+    assert sorted(os.listdir(out)) == ["meta.json", "train_000000.bin"]  # finished: no progress.json left
 
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -26,15 +26,6 @@ def run(script, *args, cwd=ROOT):
                           capture_output=True, encoding="utf-8", timeout=120)
 
 
-@pytest.fixture
-def one_thread():
-    """In this process too, for the samples that must match a subprocess's to the last bit."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def sample(out_dir, *args):
     result = run("sample.py", f"--out_dir={out_dir}", "--device=cpu", "--dtype=float32", *args)
     assert result.returncode == 0, result.stderr
@@ -71,7 +62,19 @@ def test_greedy_bytes_sample_is_readable_same_without_cache_other_with_more_loop
     assert sample(bytes_run, *args, "--n_loop=5") != text  # 5 loops instead of the trained 2
 
 
-def test_fixed_seed_gives_identical_samples_streamed_as_decoded(bytes_run, one_thread):
+def test_cached_greedy_generation_in_bfloat16_equals_recomputing_the_context(bytes_run):
+    """In bfloat16 (autocast: the blocks' weights cast once, the output layer's copy made in bfloat16) the cache
+    changes the speed, not the first 50 tokens of the trained model's greedy output."""
+    model, checkpoint = GPT.from_checkpoint(str(bytes_run / "ckpt.pt"))
+    model.eval()
+    prompt = torch.tensor([get_tokenizer(checkpoint["tokenizer"]).encode_ordinary("The ")])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cached, recomputed = (model.generate(prompt, 50, top_k=1, use_cache=use_cache) for use_cache in (True, False))
+        assert model(prompt)[0].dtype == torch.bfloat16  # the steps did compute in bfloat16
+    assert torch.equal(cached, recomputed)
+
+
+def test_fixed_seed_gives_identical_samples_streamed_as_decoded(bytes_run):
     """Two runs with one seed print the same, and what sample.py printed piece by piece equals decoding each finished
     sample at once, though the bytes of a multi-byte character arrive in separate steps."""
     args = dict(seed=7, num_samples=2, max_new_tokens=150, temperature=1.0, top_k=0)
@@ -89,6 +92,11 @@ def test_fixed_seed_gives_identical_samples_streamed_as_decoded(bytes_run, one_t
     expected = "---------------\n".join(enc.decode(prompt) + enc.decode(s[len(prompt):]) + "\n" for s in samples)
     assert any(ord(c) > 127 for c in expected)  # the samples do contain multi-byte characters
     assert streamed == expected
+
+
+def test_a_lone_surrogate_in_the_prompt_becomes_the_replacement_character(bytes_run):
+    """It has no UTF-8 form (no bytes to tokenize or print): U+FFFD instead, as GPT-2's tokenizer makes it."""
+    assert sample(bytes_run, '--start="a\\ud800b"', "--num_samples=1", "--max_new_tokens=1").startswith("a\ufffdb")
 
 
 def test_padded_vocabulary_ids_are_never_sampled(tmp_path):

@@ -129,6 +129,52 @@ def test_transfer_mode_reads_each_schemes_best_rate_at_each_loop_count(tmp_path,
     assert (out / "transfer.png").stat().st_size > 10000
 
 
+def write_depth_runs(out, runs):
+    """runs: {(scheme, R, lr, seed): accuracy at k = 1, 2 or None (diverged)} -> result.json files like sweep.py's
+    depth mode writes"""
+    for (scheme, n_loop, lr, seed), accuracy in runs.items():
+        name = f"{scheme}_R{n_loop}_p0_lr{lr:g}_seed{seed}"
+        os.makedirs(out / "runs" / name)
+        by_k = None if accuracy is None else {"1": accuracy[0], "2": accuracy[1]}
+        result = dict(name=name, scheme=scheme, n_loop=n_loop, exponent=0.0, lr=lr, seed=seed, seconds=1.5,
+                      val_loss=None if accuracy is None else 1.0, kappa=None if accuracy is None else n_loop / 2,
+                      curve=[(0, 2.0), (10, 1.0)], accuracy=by_k, shortcut={"1": 0.4, "2": 0.25},
+                      test_time={} if scheme == "untied" or by_k is None else
+                      {str(n): {"1": accuracy[0] * min(n, n_loop) / n_loop, "2": 0.3} for n in (1, 2, 4)})
+        (out / "runs" / name / "result.json").write_text(json.dumps(result))
+
+
+def test_depth_mode_tables_best_rates_test_time_depth_and_plot(tmp_path):
+    out = tmp_path / "depth"
+    runs = {}
+    for seed in (0, 1):
+        for r in (1, 2):
+            runs["preln", r, 1e-3, seed] = (0.5 + 0.2 * r, 0.3 + 0.1 * r + 0.1 * seed)
+            runs["preln", r, 3e-3, seed] = (0.9, 0.9) if seed == 0 else None  # best, but one seed diverged
+            runs["deeploop", r, 1e-3, seed] = (0.4, 0.3)
+            runs["deeploop", r, 3e-3, seed] = (0.8, 0.2 * r)
+        runs["untied", 2, 1e-3, seed] = (1.0, 0.8)
+        runs["untied", 2, 3e-3, seed] = (0.6, 0.6)
+    write_depth_runs(out, runs)
+    r = sweep_made_up("--mode=depth", f"--out_dir={out}", "--schemes=preln,deeploop,untied", "--loops=1,2",
+                      "--learning_rates=1e-3,3e-3", "--seeds=0,1")
+    assert r.returncode == 0, r.stderr
+    table = (out / "results.md").read_text()
+    best = table.split("Each scheme at its best learning rate")[1].split("Every run")[0]
+    assert "| best shortcut | | | 0.40 | 0.25 | |" in best
+    assert "| preln | 2 | 0.001 | 0.90 ± 0.00 | 0.55 ± 0.07 | 1.00 ± 0.00 |" in best  # 3e-3 had a diverged run
+    assert "| deeploop | 1 | 0.003 | 0.80 ± 0.00 | 0.20 ± 0.00 | 0.50 ± 0.00 |" in best
+    assert "| untied | 2 | 0.001 | 1.00 ± 0.00 | 0.80 ± 0.00 | 1.00 ± 0.00 |" in best
+    assert "| untied | 1 |" not in table  # the same as Pre-LN at R = 1: not run
+    assert "| preln | 1 | 0.003 | 1 | diverged | | |" in table
+    assert "| deeploop | 2 | 0.003 | 0 | 0.40 | 0.60 | 1.00 |" in table
+    test_time = table.split("Test-time depth")[1]
+    assert "| scheme | trained R | run at 1 | run at 2 | run at 4 |" in test_time
+    assert f"| preln | 2 | {(0.45 + 0.3) / 2:.2f} | **{(0.9 + 0.3) / 2:.2f}** | {(0.9 + 0.3) / 2:.2f} |" in test_time
+    assert "| untied |" not in test_time
+    assert (out / "depth.png").stat().st_size > 10000
+
+
 def test_a_tiny_real_sweep_records_kappa_and_resumes(tmp_path):
     out = tmp_path / "real"
     args = [f"--out_dir={out}", "--mode=loops", "--schemes=deeploop,preln", "--loops=1,2", "--seeds=0",
@@ -147,9 +193,12 @@ def test_a_tiny_real_sweep_records_kappa_and_resumes(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--loops=1,two"], "loops must be comma-separated ints like 1,3,5,7, got '1,two'"),
-    (["--mode=depth"], "unknown mode 'depth'; use --mode=exponent, --mode=lr, --mode=loops or --mode=transfer"),
+    (["--mode=width"], "unknown mode 'width'; use --mode=exponent, --mode=lr, --mode=loops, --mode=transfer or "
+                       "--mode=depth"),
     (["--schemes=rival"], "unknown scheme 'rival' in --schemes; use deeploop, deepnorm, postln, preln, "
                           "preln_scaled"),
+    (["--mode=loops", "--schemes=untied"],
+     "unknown scheme 'untied' in --schemes; use deeploop, deepnorm, postln, preln, preln_scaled"),
     (["--mode=lr", "--schemes=preln", "--exponents=0.3"],
      "--exponents apply to deeploop and deepnorm only, not preln; drop it from --schemes"),
 ])

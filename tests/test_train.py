@@ -336,6 +336,26 @@ def test_a_second_signal_while_saving_stops_at_once_and_keeps_the_previous_check
     assert (out_dir / "ckpt.pt").read_bytes() == before and not (out_dir / "ckpt.pt.tmp").exists()
 
 
+def test_a_signal_during_an_evaluation_stops_after_its_checkpoint(workdir, first_half, whole):
+    """SIGTERM while the evaluation at step 8 writes ckpt.pt (made slow): the run stops once that write is done,
+    without training step 8 and writing again; the resumed run skips the evaluation and ends as an uninterrupted one."""
+    half_dir, _ = first_half
+    out_dir = workdir / "eval-stopped"
+    shutil.copytree(half_dir, out_dir)
+    args = [f"--out_dir={out_dir.name}", f"--max_iters={2 * HALF}", "--dropout=0.1", "--init_from=resume"]
+    proc = start(workdir, *args, wrapper=(disk_wrapper(workdir), "slow", "ckpt.pt.tmp", "5"))
+    wait_for(lambda: (out_dir / "ckpt.pt.tmp.slow").exists(), proc, "the evaluation's checkpoint write")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 75, output(proc)[-3000:]
+    ckpt = load(out_dir)
+    assert (ckpt["iter_num"], ckpt["evaluated"]) == (8, True)
+    assert max(logged_steps(out_dir)) == 7 and max(logged_steps(out_dir, "eval")) == 8
+    assert output(proc).strip().splitlines()[-1].startswith(
+        f"stopped by SIGTERM: {out_dir.name}/ckpt.pt holds step 8; resume with: python ")
+    train(workdir, *args)
+    assert_same_run(whole, out_dir)
+
+
 def test_a_second_run_on_a_held_out_dir_is_refused(workdir):
     first = start(workdir, "--out_dir=held", "--max_iters=100000")
     try:
@@ -363,14 +383,15 @@ real_open = builtins.open
 
 class Disk:
     def __init__(self, f):
-        self.f, self.room = f, n
+        self.f, self.room, self.slow = f, n, behaviour == "slow"
 
     def write(self, data):
         data = bytes(data)
-        if behaviour == "slow":
+        if self.slow:
             real_open(self.f.name + ".slow", "w").close()
             time.sleep(n)
-        elif len(data) > self.room:
+            self.slow = False
+        elif behaviour == "full" and len(data) > self.room:
             self.f.write(data[:self.room])
             self.room = 0
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -490,12 +511,13 @@ def test_time_based_checkpoints(workdir):
     assert load(workdir / "timed")["iter_num"] == 4
 
 
-def test_diagnostics_do_not_run_in_float16(workdir):
+def test_diagnostics_do_not_run_in_float16(workdir, first_half):
     """Under float16 autocast the per-visit gradients would underflow without loss scaling; the diagnostics run in
-    float32 instead and equal a float32 run's (the same initial weights, the same batch)."""
-    for dtype in ("float32", "float16"):
-        train(workdir, f"--out_dir=diag-{dtype}", f"--dtype={dtype}", "--max_iters=1", "--eval_interval=1")
-    assert records(workdir / "diag-float16", "eval")[0]["loop"] == records(workdir / "diag-float32", "eval")[0]["loop"]
+    float32 instead and equal a float32 run's: first_half's at step 0 (the same initial weights, the same batch, and
+    no dropout in the diagnostics)."""
+    half_dir, _ = first_half
+    train(workdir, "--out_dir=diag-float16", "--dtype=float16", "--max_iters=1", "--eval_interval=1")
+    assert records(workdir / "diag-float16", "eval")[0]["loop"] == records(half_dir, "eval")[0]["loop"]
 
 
 def test_plot_draws_any_number_of_runs(workdir, first_half):
@@ -540,35 +562,39 @@ def test_a_signal_to_one_ddp_process_stops_both_at_the_same_step(workdir):
 PAPER = ["--norm=rmsnorm", "--position_encoding=rope", "--norm_branch_input=True"]  # config/paper_*.py's backbone
 
 
-def test_bfloat16_autocast_trains_the_paper_backbone_on_cpu(workdir):
+@pytest.fixture(scope="module")
+def paper_fp32(workdir):
+    """4 eager float32 steps of the paper's backbone, evaluated every 2 steps."""
+    train(workdir, "--out_dir=paper_fp32", "--max_iters=4", "--eval_interval=2", *PAPER)
+    return workdir / "paper_fp32"
+
+
+def test_bfloat16_autocast_trains_the_paper_backbone_on_cpu(workdir, paper_fp32):
     """The GPU recipe's precision, through CPU autocast: the rotary q/k keep v's dtype and the run stays finite."""
-    args = ["--max_iters=3", "--eval_interval=3", *PAPER]
-    train(workdir, "--out_dir=paper_fp32", *args)
-    train(workdir, "--out_dir=paper_bf16", "--dtype=bfloat16", *args)
+    train(workdir, "--out_dir=paper_bf16", "--dtype=bfloat16", "--max_iters=4", "--eval_interval=2", *PAPER)
     ckpt = load(workdir / "paper_bf16")
     assert {k: ckpt["model_args"][k] for k in ("norm", "position_encoding", "norm_branch_input")} == dict(
         norm="rmsnorm", position_encoding="rope", norm_branch_input=True)
-    fp32 = [r["loss"] for r in records(workdir / "paper_fp32", "train")]
+    fp32 = [r["loss"] for r in records(paper_fp32, "train")]
     bf16 = [r["loss"] for r in records(workdir / "paper_bf16", "train")]
     assert bf16 == pytest.approx(fp32, rel=2e-2) and bf16 != fp32  # close, but computed in another precision
     assert records(workdir / "paper_bf16", "eval")[-1]["val_loss"] == pytest.approx(
-        records(workdir / "paper_fp32", "eval")[-1]["val_loss"], rel=2e-2)
+        records(paper_fp32, "eval")[-1]["val_loss"], rel=2e-2)
 
 
-def test_compiled_checkpoints_resume_uncompiled_and_back(workdir):
+def test_compiled_checkpoints_resume_uncompiled_and_back(workdir, paper_fp32):
     """torch.compile on CPU (inductor): a compiled run trains like an eager one, and its checkpoint (no _orig_mod.
     prefixes) resumes into an eager run, whose checkpoint resumes into a compiled run again. Takes ~30 s: compiling."""
-    train(workdir, "--out_dir=eager", "--max_iters=4", "--eval_interval=2", *PAPER)
     train(workdir, "--out_dir=compiled", "--max_iters=2", "--eval_interval=2", "--compile=True", *PAPER)
     assert not [k for k in load(workdir / "compiled")["model"] if k.startswith("_orig_mod.")]
     train(workdir, "--out_dir=compiled", "--max_iters=3", "--eval_interval=2", "--init_from=resume", *PAPER)
     train(workdir, "--out_dir=compiled", "--max_iters=4", "--eval_interval=2", "--init_from=resume", "--compile=True",
           *PAPER)
     assert load(workdir / "compiled")["iter_num"] == 4
-    eager = {r["iter"]: r["loss"] for r in records(workdir / "eager", "train")}
+    eager = {r["iter"]: r["loss"] for r in records(paper_fp32, "train")}
     mixed = {r["iter"]: r["loss"] for r in records(workdir / "compiled", "train")}
     assert list(mixed) == [0, 1, 2, 3] and list(mixed.values()) == pytest.approx(list(eager.values()), rel=1e-4)
-    for key, tensor in load(workdir / "eager")["model"].items():
+    for key, tensor in load(paper_fp32)["model"].items():
         torch.testing.assert_close(load(workdir / "compiled")["model"][key], tensor, rtol=1e-3, atol=1e-4, msg=key)
 
 
@@ -585,3 +611,18 @@ def test_checkpoint_from_before_the_backbone_settings_resumes_as_gpt2_blocks(wor
         "config unchanged"]
     train(workdir, "--out_dir=old", "--init_from=resume", f"--max_iters={HALF + 1}", "--dropout=0.1")
     assert load(workdir / "old")["iter_num"] == HALF + 1
+
+
+def test_a_task_run_logs_accuracy_by_k_and_the_shortcuts(tmp_path):
+    """--dataset=chains: no data folder; the start record holds the shortcuts, every eval record the val accuracy by
+    k, the log line shows it, and a task run's checkpoint names the task where a text run names its tokenizer."""
+    r = train(tmp_path, "--dataset=chains", "--chain_values=4", "--chain_hops=3", "--block_size=12", "--max_iters=4",
+              "--out_dir=chains")
+    start, = records(tmp_path / "chains", "start")
+    assert start["shortcuts"]["chance"] == {"1": 0.25, "2": 0.25, "3": 0.25}
+    evals = records(tmp_path / "chains", "eval")
+    assert [e["iter"] for e in evals] == [0, 4] and all(sorted(e["accuracy"]) == ["1", "2", "3"] for e in evals)
+    assert all(0 <= a <= 1 for e in evals for a in e["accuracy"].values())
+    assert r.stdout.count("val accuracy by k = 1..3: ") == 2 and "the best shortcut" in r.stdout
+    assert load(tmp_path / "chains")["tokenizer"] == "chains(values=4, hops=3, cells=12)"
+    assert not (tmp_path / "data").exists()

@@ -1,0 +1,65 @@
+"""
+A model trained on a task of tasks.py (config/depth_cpu.py): its val accuracy by k at the loop count it was trained
+with and at others (test-time depth), beside the best shortcut, and a few of its solved and failed answers.
+
+    python depth_eval.py --out_dir=out-depth
+    python depth_eval.py --out_dir=out-depth --loops=1,2,4,8,16 --examples=2
+
+The val batches are the ones train.py evaluates on, so the trained loop count reproduces the run's last accuracy.
+"""
+
+import sys
+
+import torch
+
+from configurator import configure, die
+from dataset import EVAL_SEED
+from model import GPT
+from tasks import TASKS, best_shortcut, evaluate, format_by_k, make_task, shortcuts
+
+out_dir = "out-depth"  # the train.py run: reads out_dir/ckpt.pt
+loops = ""             # loop counts to evaluate at, comma-separated; "" = the trained count only
+examples = 2           # solved and failed answers shown at each k that has both (0: none)
+device = "cpu"
+configure(globals(), sys.argv[1:])
+
+try:
+    model, checkpoint = GPT.from_checkpoint(f"{out_dir}/ckpt.pt", device)
+except (FileNotFoundError, ValueError) as e:
+    die(str(e))
+config = checkpoint["config"]
+if config.get("dataset") not in TASKS:
+    die(f"{out_dir} was trained on data/{config.get('dataset')}, not on a task of tasks.py ({', '.join(TASKS)}); "
+        f"use sample.py for text")
+try:
+    loop_counts = [int(v) for v in str(loops).split(",")] if loops else [model.config.n_loop]
+except ValueError:
+    die(f"loops must be comma-separated ints like 1,2,4,8, got {loops!r}")
+if min(loop_counts) < 1:
+    die(f"loop counts must be >= 1, got {loops!r}")
+task = make_task(config, "val", EVAL_SEED)
+n_batches, batch_size = config["eval_iters"], config["batch_size"]
+
+x, y = zip(*(task.batch(index, batch_size) for index in range(n_batches)))
+x, y = torch.cat(x), torch.cat(y)
+print(f"{out_dir}: {model.config.n_layer} blocks x {model.config.n_loop} loops ({model.config.residual}), trained "
+      f"{checkpoint['iter_num']} steps on {task.name}; val accuracy by k = 1..{task.max_hops} over {len(x)} "
+      f"sequences")
+print(f"{'best shortcut':>16}: {format_by_k(best_shortcut(shortcuts(task, x, y)))}")
+for n_loop in loop_counts:
+    accuracy = evaluate(model, task, n_batches, batch_size, n_loop)
+    trained = " (trained)" if n_loop == model.config.n_loop else ""
+    print(f"{f'{n_loop} loops{trained}':>16}: {format_by_k(accuracy)}")
+
+if examples:
+    # the first sequences' answers at each k, solved and failed, at the trained loop count
+    with torch.no_grad():
+        prediction = model(x[:64].to(device))[0].argmax(-1).cpu()
+    k = task.hops(x[:64])
+    print(f"\nexamples at {model.config.n_loop} loops: the chain of pointers back to its value, and the model's answer")
+    for j in range(1, task.max_hops + 1):
+        for solved in (True, False):
+            rows, cells = torch.nonzero((k == j) & ((prediction == y[:64]) == solved), as_tuple=True)
+            for row, cell in list(zip(rows.tolist(), cells.tolist()))[:examples]:
+                print(f"k={j} {'solved' if solved else 'FAILED'}: {task.describe(x[row], cell)}; "
+                      f"model: {prediction[row, cell].item()}")

@@ -1,0 +1,160 @@
+"""
+A built-in task where depth is the bottleneck: pointer chains, made on the fly from a seed (no files, no download).
+
+A sequence of block_size cells. A cell holds either a value (token v, 0 <= v < n_values) or a pointer to an earlier
+cell (token n_values + p: "look at cell p"). The cells form chains: a value, then cells each pointing at the previous
+cell of its chain, interleaved at random with the other chains of the sequence. The answer at a pointer cell is the
+value its chain starts with, and k = the number of pointers to follow to get there (its hops). Every pointer cell is
+supervised, so one sequence measures every k from 1 to max_hops:
+
+    x:  3  5  8+0  8+1  6  8+4  8+2 ...      (n_values = 8: tokens 0-7 are values, 8 + p points at cell p)
+    y:  -  -   3    5   -   6    3  ...      (value cells have no answer: -1)
+    k:  0  0   1    1   0   1    2  ...
+
+Why depth: a layer can follow a pointer by attending to the cell it names and reading what that cell knows, so a
+network of depth D resolves chains of about D hops following one pointer a layer, or up to 2^D when it learns to
+jump along pointers that it has already followed (pointer doubling); either way, more loops reach larger k. Nothing
+but following the pointers tells the answer: every chain's first value is drawn independently, so a model that
+does not follow the chain of a cell can only guess among the values it has seen (the shortcuts below measure how
+well such guesses do).
+
+Chains have 1 to max_hops pointers (uniform), so k = j has a share proportional to max_hops + 1 - j.
+
+    task = PointerChains(n_values=8, max_hops=16, block_size=64, seed=0, split="train")
+    x, y = task.batch(index, batch_size)    # like dataset.TokenWindows.batch: a function of (seed, split, index)
+    k = hops(x, n_values)                   # the hops of every cell, from x alone
+
+A library module: bad settings raise ValueError naming the fix.
+"""
+
+import numpy as np
+import torch
+
+SPLITS = ("train", "val")
+
+
+class PointerChains:
+
+    def __init__(self, n_values, max_hops, block_size, seed, split):
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}: use train or val")
+        if n_values < 2:
+            raise ValueError(f"chain_values must be >= 2 (a chain's value is one of them), got {n_values}")
+        if max_hops < 1:
+            raise ValueError(f"chain_hops must be >= 1 (pointers in the longest chain), got {max_hops}")
+        if block_size < max_hops + 1:
+            raise ValueError(f"block_size={block_size} cannot hold a chain of chain_hops={max_hops} pointers and its "
+                             f"value: use block_size >= {max_hops + 1}")
+        self.n_values, self.max_hops, self.block_size, self.seed, self.split = (n_values, max_hops, block_size, seed,
+                                                                                split)
+        self.vocab_size = n_values + block_size
+        # what a checkpoint names where a text run names its tokenizer
+        self.name = f"chains(values={n_values}, hops={max_hops}, cells={block_size})"
+
+    def batch(self, index, batch_size):
+        """(x, y), int64 tensors (batch_size, block_size): cells and answers (-1 at value cells)."""
+        # train and val are disjoint generator streams: the split is part of the seed
+        rng = np.random.default_rng([self.seed, SPLITS.index(self.split), index])
+        T, V = self.block_size, self.n_values
+        x, y = np.empty((batch_size, T), dtype=np.int64), np.empty((batch_size, T), dtype=np.int64)
+        for row in range(batch_size):
+            # chains of 2 .. max_hops + 1 cells until the row is full (the last one cut short), shuffled together
+            cells = rng.integers(2, self.max_hops + 2, size=T)
+            n_chains = np.searchsorted(np.cumsum(cells), T) + 1
+            chain = rng.permutation(np.repeat(np.arange(n_chains), cells[:n_chains])[:T])
+            # distinct first values (while there are enough): a value seen twice would hint at the answer
+            value = rng.permutation(max(V, n_chains))[:n_chains] % V
+            # cells in chain order: each one's predecessor in the chain is the cell before it in this order
+            order = np.argsort(chain, kind="stable")
+            first = np.r_[True, chain[order[1:]] != chain[order[:-1]]]
+            x[row, order] = np.where(first, value[chain[order]], V + np.r_[0, order[:-1]])
+            y[row, order] = np.where(first, -1, value[chain[order]])
+        return torch.from_numpy(x), torch.from_numpy(y)
+
+    def describe(self, cells, cell):
+        """The chain of a cell of one sequence (cells: (T,)) as text: 'cell 9 -> cell 4 -> cell 0 = 3'."""
+        path = [cell]
+        while cells[path[-1]] >= self.n_values:
+            path.append(cells[path[-1]].item() - self.n_values)
+        return " -> ".join(f"cell {c}" for c in path) + f" = {cells[path[-1]].item()}"
+
+    def hops(self, x):
+        """k of every cell of x (B, T): 0 at a value, 1 + the k of the cell it points at."""
+        k = torch.zeros_like(x)
+        pointer = x >= self.n_values
+        for t in range(1, x.size(1)):  # a pointer names an earlier cell, whose k is known by then
+            parent = (x[:, t] - self.n_values).clamp(0, t - 1)
+            k[:, t] = torch.where(pointer[:, t], k.gather(1, parent[:, None])[:, 0] + 1, 0)
+        return k
+
+
+def hits_by_k(task, prediction, x, y):
+    """(hits, counts): float64 tensors (max_hops + 1,) of the right predictions and the answers at each k (index 0:
+    value cells, never counted). prediction: (B, T) token ids."""
+    k = task.hops(x).flatten()
+    max_hops = task.max_hops
+    answered = (y >= 0).flatten()
+    right = (prediction == y).flatten() & answered
+    counts = torch.bincount(k[answered], minlength=max_hops + 1)[:max_hops + 1].double()
+    hits = torch.bincount(k[right], minlength=max_hops + 1)[:max_hops + 1].double()
+    return hits, counts
+
+
+def accuracy_by_k(hits, counts):
+    """{"1": accuracy, ...} for every k >= 1 that has answers; the keys are strings, as JSON needs them."""
+    return {str(k): hits[k].item() / counts[k].item() for k in range(1, len(counts)) if counts[k] > 0}
+
+
+def shortcuts(task, x, y):
+    """Expected accuracy by k of guesses that do not follow the chains, on the batch (x, y), as
+    {name: {"1": accuracy, ...}}:
+        chance        1 / n_values
+        latest value  the value of the nearest value cell before the answer
+        most seen     the value seen most often before the answer (ties shared out evenly)"""
+    k = task.hops(x).numpy()
+    x, y, n_values = x.numpy(), y.numpy(), task.n_values
+    B, T = x.shape
+    is_value = x < n_values
+    positions = np.where(is_value, np.arange(T), 0)
+    latest = np.take_along_axis(x, np.maximum.accumulate(positions, axis=1), axis=1)  # cell 0 is always a value
+    seen = np.cumsum(np.where(is_value[..., None], np.eye(n_values, dtype=np.int64)[np.minimum(x, n_values - 1)], 0),
+                     axis=1)
+    best = seen == seen.max(axis=2, keepdims=True)
+    most_seen = np.take_along_axis(best, np.maximum(y, 0)[..., None], axis=2)[..., 0] / best.sum(axis=2)
+    result = {}
+    for name, score in (("chance", np.full((B, T), 1 / n_values)), ("latest value", latest == y),
+                        ("most seen", most_seen)):
+        result[name] = {str(j): float(score[k == j].mean()) for j in range(1, task.max_hops + 1) if (k == j).any()}
+    return result
+
+
+def best_shortcut(table):
+    """{"1": the best accuracy among the shortcuts at k = 1, ...} from shortcuts()'s table."""
+    return {j: max(scores[j] for scores in table.values()) for j in table["chance"]}
+
+
+def format_by_k(by_k):
+    """A {"1": accuracy, ...} dict as one line of two-digit figures, k = 1 first."""
+    return " ".join(f"{by_k[j]:.2f}" for j in sorted(by_k, key=int))
+
+
+TASKS = {"chains": PointerChains}
+
+
+def make_task(config, split, seed):
+    """The task of a run from its settings (train.py's globals, or a checkpoint's "config")."""
+    return TASKS[config["dataset"]](config["chain_values"], config["chain_hops"], config["block_size"], seed, split)
+
+
+@torch.no_grad()
+def evaluate(model, task, n_batches, batch_size, n_loop=None):
+    """Accuracy by k ({"1": accuracy, ...}) of a model.GPT on batches 0 .. n_batches - 1 of the task, run at n_loop
+    loops (None: as trained); the answer is the most likely token."""
+    model.eval()
+    hits = counts = 0
+    for index in range(n_batches):
+        x, y = task.batch(index, batch_size)
+        logits, _ = model(x.to(model.lm_head.weight.device), n_loop=n_loop)
+        batch_hits, batch_counts = hits_by_k(task, logits.argmax(-1).cpu(), x, y)
+        hits, counts = hits + batch_hits, counts + batch_counts
+    return accuracy_by_k(hits, counts)
