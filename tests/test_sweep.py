@@ -90,7 +90,7 @@ def test_lr_mode_picks_each_schemes_best_rate_and_skips_rates_with_a_diverged_ru
     assert "| preln | 1 | — | 0.001 | 0/2 |" in table
     best = table.split("Each scheme at its best learning rate")[1]
     assert f"| deeploop | 1 | 0.001 | 2.8500 ± {0.1 / 2 ** 0.5:.4f} | 2/2 |" in best
-    assert "| preln | 3 | 0.0003 | " in best and " | 0/2 |" in best  # all equal: the first rate of the grid
+    assert "| preln | 3 | 0.0003 (grid edge) | " in best and " | 0/2 |" in best  # all equal: the first rate
     assert (out / "lr.png").stat().st_size > 10000
 
 
