@@ -40,6 +40,7 @@ block_size = 256
 vocab_size = 50304  # GPT-2's vocabulary padded to a multiple of 64, as train.py uses for gpt2 tokens
 residual = "deeploop"
 residual_exponent = 0.0  # p of alpha = (2N)^p, beta = (8N)^-p; 0 = the scheme's own
+residual_lambda = 1.0  # preln_scaled's lambda
 norm = "layernorm"  # the backbone settings of train.py (GPTConfig): layernorm | rmsnorm
 position_encoding = "learned"  # learned | rope
 norm_branch_input = False
@@ -88,8 +89,9 @@ def build(n_layer, n_loop, dtype, compile):
     it."""
     torch.manual_seed(seed)
     config = GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_loop=n_loop, n_head=n_head,
-                       n_embd=n_embd, dropout=0.0, residual=residual, residual_exponent=residual_exponent, norm=norm,
-                       position_encoding=position_encoding, norm_branch_input=norm_branch_input)
+                       n_embd=n_embd, dropout=0.0, residual=residual, residual_exponent=residual_exponent,
+                       residual_lambda=residual_lambda, norm=norm, position_encoding=position_encoding,
+                       norm_branch_input=norm_branch_input)
     model = GPT(config).to(device)
     line = (f"model: n_layer={n_layer} x n_loop={n_loop} (unrolled depth {config.unrolled_depth}), n_embd {n_embd}, "
             f"block_size {block_size}, {model.num_params() / 1e6:.2f}M params, {residual}, {device} {dtype}"

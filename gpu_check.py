@@ -170,7 +170,8 @@ def resume_check():
 
 def generate_check():
     model_args = torch.load(os.path.join(train_dir, "ckpt.pt"), map_location="cpu", weights_only=True)["model_args"]
-    model = [f"--{k}={v}" for k, v in model_args.items() if k not in ("dropout", "bias")]
+    # the checkpoint's model, less what does not change a decode step's speed
+    model = [f"--{k}={v}" for k, v in model_args.items() if k not in ("dropout", "bias", "coefficient_loops")]
     seconds, stdout = run("generate", [python, bench_py, *model, f"--device={device}", f"--dtype={dtype}",
                                        "--compile=False", "--batch_size=8", "--warmup_steps=0", "--timed_steps=1",
                                        f"--gen_tokens={gen_tokens}", "--gen_prompt_len=16"])

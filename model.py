@@ -21,7 +21,8 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.func import functional_call
 
-RESIDUALS = ("deeploop", "deepnorm", "postln", "preln")
+RESIDUALS = ("deeploop", "deepnorm", "postln", "preln", "preln_scaled")
+PRE_LN = ("preln", "preln_scaled")  # GPT-2's block, x = x + f(Norm(x)); the other schemes are Post-LN
 OWN_EXPONENT = {"deeploop": 0.5, "deepnorm": 0.25}  # each Post-LN scheme's p when residual_exponent is 0
 NORMS = ("layernorm", "rmsnorm")
 POSITION_ENCODINGS = ("learned", "rope")
@@ -33,7 +34,7 @@ def residual_coefficients(residual, unrolled_depth, exponent=0.0):
 
         deeploop: alpha = (2N)^p,  beta = (8N)^(-p),  p = 1/2
         deepnorm: alpha = (2N)^p,  beta = (8N)^(-p),  p = 1/4
-        postln, preln: alpha = beta = 1
+        postln, preln, preln_scaled: alpha = beta = 1 (preln_scaled scales its branches with branch_scale below)
 
     A nonzero `exponent` replaces p for the two Post-LN schemes (the paper's Appendix C sweeps p from 0.30 to 0.60);
     0 means the scheme's own p.
@@ -50,13 +51,42 @@ def residual_coefficients(residual, unrolled_depth, exponent=0.0):
         raise ValueError(f"unknown residual scheme {residual!r}; choose one of {', '.join(RESIDUALS)}")
     if exponent < 0:
         raise ValueError(f"residual_exponent must be >= 0 (0 = the scheme's own), got {exponent}")
-    if residual in ("postln", "preln"):
+    if residual in ("postln", *PRE_LN):
         if exponent:
             raise ValueError(f"residual_exponent={exponent} only applies to deeploop and deepnorm, not {residual}; "
                              f"leave it at 0 or use --residual=deeploop")
         return 1.0, 1.0
     p = exponent or OWN_EXPONENT[residual]
     return (2 * N) ** p, (8 * N) ** -p
+
+
+def branch_scale(residual, n_layer, n_loop, lam=1.0):
+    """Return epsilon, the number a Pre-LN block multiplies both branch outputs by in the forward pass:
+    x = x + epsilon * f(Norm(x)).
+
+        preln_scaled: epsilon = lam / (n_loop * sqrt(n_layer))
+        every other scheme: epsilon = 1
+
+    preln_scaled is the rival rule of Wang, Li, Zhang, Huang, Yan and Li, "On the Residual Scaling of Looped
+    Transformers: Stability and Transferability" (arXiv 2606.18524). They keep Pre-LN and argue from the same
+    observation as DeepLoop, that a shared block's visits make correlated updates, that the loops need 1/n_loop and
+    not 1/sqrt(n_loop), while the n_layer distinct blocks, being independent, need only 1/sqrt(n_layer); they claim
+    that the best learning rate then depends on n_layer alone, not on n_loop. What this takes from the paper is its
+    abstract (the only text of it the search found): the multiplier in the forward pass and its formula. Its init and
+    its value of lambda were not in that text. Chosen here: lam = 1 by default, and GPT-2's init without its
+    1/sqrt(2N) shrinking of the output projections (every matrix std 0.02): epsilon already carries the depth
+    scaling, and shrinking the weights as well would count the depth twice.
+    """
+    if residual not in RESIDUALS:
+        raise ValueError(f"unknown residual scheme {residual!r}; choose one of {', '.join(RESIDUALS)}")
+    if not (0 < lam < math.inf):
+        raise ValueError(f"residual_lambda must be a positive number (the paper's lambda, 1 by default), got {lam}")
+    if residual != "preln_scaled":
+        if lam != 1:
+            raise ValueError(f"residual_lambda={lam} only applies to preln_scaled, not {residual}; leave it at 1 or "
+                             f"use --residual=preln_scaled")
+        return 1.0
+    return lam / (n_loop * math.sqrt(n_layer))
 
 
 @dataclass
@@ -71,14 +101,15 @@ class GPTConfig:
     bias: bool = True
     residual: str = "deeploop"
     residual_exponent: float = 0.0  # p of alpha = (2N)^p, beta = (8N)^-p; 0 = the scheme's own (1/2 or 1/4)
+    residual_lambda: float = 1.0    # preln_scaled: lambda of epsilon = lambda / (n_loop * sqrt(n_layer))
     # The backbone; the defaults are GPT-2's blocks. The DeepLoop paper's backbone is rmsnorm + rope +
     # norm_branch_input=True, the Post-LN block x = RMSNorm(alpha * x + f(RMSNorm(x))). Pre-LN blocks already feed
     # their branches a normalized input, so norm_branch_input changes only Post-LN schemes.
     norm: str = "layernorm"               # layernorm | rmsnorm: every normalization in the model
     position_encoding: str = "learned"    # learned (GPT-2's position embedding) | rope (rotary, on q and k)
     norm_branch_input: bool = False       # Post-LN: normalize the input of each attention and MLP branch too
-    # alpha and beta are numbers of the model, fixed at init: they come from the unrolled depth n_layer *
-    # coefficient_loops, whatever loop count a forward pass runs (training with sampled loop counts, test-time depth)
+    # alpha, beta (and preln_scaled's epsilon) are numbers of the model, fixed at init: they come from the unrolled
+    # depth n_layer * coefficient_loops, whatever loop count a forward pass runs (sampled loop counts, test-time depth)
     coefficient_loops: int = 0            # 0: n_loop
 
     def __post_init__(self):
@@ -98,7 +129,9 @@ class GPTConfig:
         if self.position_encoding == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"rope rotates pairs of channels: the head size n_embd/n_head="
                              f"{self.n_embd // self.n_head} must be even")
-        residual_coefficients(self.residual, self.coefficient_depth, self.residual_exponent)  # raises on a bad exponent
+        # both raise on a bad exponent or lambda
+        residual_coefficients(self.residual, self.coefficient_depth, self.residual_exponent)
+        branch_scale(self.residual, self.n_layer, self.coefficient_depth // self.n_layer, self.residual_lambda)
 
     @property
     def unrolled_depth(self):
@@ -256,10 +289,10 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
 
-    def __init__(self, config, alpha):
+    def __init__(self, config, alpha, epsilon):
         super().__init__()
-        self.pre_ln = config.residual == "preln"
-        self.alpha = alpha
+        self.pre_ln = config.residual in PRE_LN
+        self.alpha, self.epsilon = alpha, epsilon
         self.ln_1 = make_norm(config)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = make_norm(config)
@@ -269,9 +302,9 @@ class Block(nn.Module):
         self.ln_mlp_input = make_norm(config) if branch_norm else nn.Identity()
 
     def forward(self, x, cache=None, rope=None):
-        if self.pre_ln:  # GPT-2
-            x = x + self.attn(self.ln_1(x), cache, rope)
-            return x + self.mlp(self.ln_2(x))
+        if self.pre_ln:  # GPT-2; epsilon is 1 but in preln_scaled (1.0 * y is y, bit for bit)
+            x = x + self.epsilon * self.attn(self.ln_1(x), cache, rope)
+            return x + self.epsilon * self.mlp(self.ln_2(x))
         # Post-LN (deeploop, deepnorm, postln): the residual stream is up-weighted by alpha before each LayerNorm.
         # The stream is the previous norm's output, so ln_*_input (norm_branch_input) differ from identities only
         # through their learned gains (and LayerNorm's biases).
@@ -286,17 +319,18 @@ class GPT(nn.Module):
         self.config = config
         N = config.coefficient_depth
         self.alpha, self.beta = residual_coefficients(config.residual, N, config.residual_exponent)
+        self.epsilon = branch_scale(config.residual, config.n_layer, N // config.n_layer, config.residual_lambda)
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd) if config.position_encoding == "learned" else None,
             # Post-LN blocks read a normalized stream everywhere but at the first block; normalizing the embedding
             # (as BERT does) makes that one alike. Without it the tiny embedding (std 0.02) is soon swamped by what
             # the first branches learn to output for every position, and the model collapses to unigram statistics.
-            ln_e=nn.Identity() if config.residual == "preln" else make_norm(config),
+            ln_e=nn.Identity() if config.residual in PRE_LN else make_norm(config),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config, self.alpha) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config, self.alpha, self.epsilon) for _ in range(config.n_layer)]),
             # Post-LN blocks already end in a LayerNorm; only Pre-LN needs a final one
-            ln_f=make_norm(config) if config.residual == "preln" else nn.Identity(),
+            ln_f=make_norm(config) if config.residual in PRE_LN else nn.Identity(),
         ))
         if config.position_encoding == "rope":  # not in the state dict: a pure function of the config
             cos, sin = rotary_tables(config.block_size, config.n_embd // config.n_head)
@@ -307,11 +341,12 @@ class GPT(nn.Module):
 
         self.apply(self._init_weights)
         with torch.no_grad():
-            for block in self.transformer.h:
+            for block in self.transformer.h:  # preln_scaled keeps std 0.02: its epsilon carries the depth
                 if config.residual == "preln":  # GPT-2's scaled init, counted over the unrolled depth
                     for proj in (block.attn.c_proj, block.mlp.c_proj):
                         nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * N))
-                else:  # DeepNorm's init: v, the attention output and both MLP matrices times beta; q and k untouched
+                elif config.residual not in PRE_LN:
+                    # DeepNorm's init: v, the attention output and both MLP matrices times beta; q and k untouched
                     block.attn.c_attn.weight[2 * config.n_embd:] *= self.beta
                     for linear in (block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
                         linear.weight *= self.beta
@@ -355,7 +390,8 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, n_loop=None, kv_cache=None, last_only=False, head=None, backprop_loops=0):
         """Logits for every position, and the mean cross-entropy when targets are given (-1 = ignore).
-        n_loop runs another loop count than the model was built with (test-time depth); alpha stays as built.
+        n_loop runs another loop count than the model was built with (test-time depth); alpha, beta and epsilon
+        stay as built.
         backprop_loops > 0 runs all loops but the last backprop_loops without autograd (Huginn's truncated backprop):
         no gradient reaches the blocks' earlier visits, nor the position embedding and ln_e, which only they read
         (Huginn feeds the embedded input into every loop, so its embedding layers still learn; this model does not).

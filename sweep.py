@@ -2,9 +2,10 @@
 The paper's experiments at CPU scale. Every run is a plain `python train.py --key=value ...` in a subprocess, so what
 is measured here is exactly what train.py does. Three modes share the runs, the escape rule, the tables and the plots:
 
-    python sweep.py --mode=exponent   # Appendix C: DeepLoop's exponent p from 0.25 (DeepNorm) to 0.60 at R = 3, 5 seeds
+    python sweep.py --mode=exponent   # Appendix C: DeepLoop's exponent p from 0.25 (DeepNorm) to 1 at R = 3, 5 seeds
     python sweep.py --mode=lr         # each scheme at its own best learning rate, R = 1 and R = 3, 3 seeds
     python sweep.py --mode=loops      # Table 1: loop counts R = 1, 3, 5, 7 at fixed physical depth, 3 seeds
+    python sweep.py --mode=transfer   # does each scheme's best learning rate stay put as R grows? R = 1, 2, 4, 8
     python sweep.py --mode=loops --schemes=preln,deeploop,deepnorm,postln --seeds=0   # any grid, by override
     python sweep.py --mode=depth      # where depth is the bottleneck: accuracy by k on pointer chains (tasks.py)
 
@@ -42,12 +43,12 @@ import numpy as np
 from common import choose_dtype
 from configurator import configure, die
 from dataset import load_meta, read_shard
-from model import OWN_EXPONENT
+from model import OWN_EXPONENT, RESIDUALS
 from plot import read_metrics
 from prepare_data import prepare_builtin_if_missing
 
 # -----------------------------------------------------------------------------------------------------------------
-mode = "exponent"         # exponent | lr | loops | depth
+mode = "exponent"         # exponent | lr | loops | transfer | depth
 out_dir = ""              # default: out-sweep-<mode>
 dataset = "builtin_bytes"
 # the grid; "" takes the mode's default from MODES
@@ -72,11 +73,15 @@ config = configure(globals(), sys.argv[1:])
 # -----------------------------------------------------------------------------------------------------------------
 
 MODES = {
-    "exponent": dict(schemes="deeploop", loops="3", exponents="0.25,0.3,0.35,0.4,0.45,0.5,0.55,0.6",
+    # 0.25..0.60: the paper's Appendix C; 0.75 and 1 beyond it (p = 1 gives the branches 1/N, the rival's exponent)
+    "exponent": dict(schemes="deeploop", loops="3", exponents="0.25,0.3,0.35,0.4,0.45,0.5,0.55,0.6,0.75,1",
                      learning_rates="3e-3", seeds="0,1,2,3,4"),
     "lr": dict(schemes="deeploop,deepnorm,preln", loops="1,3", exponents="0", learning_rates="3e-4,1e-3,3e-3",
                seeds="0,1,2"),
     "loops": dict(schemes="preln,deeploop", loops="1,3,5,7", exponents="0", learning_rates="1e-3", seeds="0,1,2"),
+    # the rival's claim (arXiv 2606.18524): with preln_scaled the best rate depends on n_layer only, not on R
+    "transfer": dict(schemes="preln,preln_scaled,deeploop,deepnorm", loops="1,2,4,8", exponents="0",
+                     learning_rates="1e-3,2e-3,4e-3,8e-3,1.6e-2,3.2e-2", seeds="0,1,2"),
     "depth": dict(schemes="preln,deeploop,deepnorm,untied", loops="1,2,4,8", exponents="0",
                   learning_rates="1e-3,3e-3", seeds="0,1,2"),
 }
@@ -87,7 +92,8 @@ MODEL_AND_BUDGET = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "
 PAPER_ESCAPED = {0.30: 0, 0.35: 1, 0.40: 2, 0.45: 2, 0.50: 3, 0.55: 5, 0.60: 5}
 
 if mode not in MODES:
-    die(f"unknown mode {mode!r}; use --mode=exponent, --mode=lr, --mode=loops or --mode=depth")
+    die(f"unknown mode {mode!r}; use --mode=exponent, --mode=lr, --mode=loops, --mode=transfer or "
+        f"--mode=depth")
 out_dir = out_dir or f"out-sweep-{mode}"
 
 
@@ -103,10 +109,10 @@ scheme_list = str(schemes or MODES[mode]["schemes"]).split(",")
 loop_list, seed_list = number_list("loops", int), number_list("seeds", int)
 exponent_list, lr_list = number_list("exponents", float), number_list("learning_rates", float)
 for scheme in scheme_list:
-    if scheme not in ("deeploop", "deepnorm", "postln", "preln") + (("untied",) if mode == "depth" else ()):
-        die(f"unknown scheme '{scheme}' in --schemes; use deeploop, deepnorm, postln, preln"
-            + (", untied" if mode == "depth" else ""))
-    if scheme in ("postln", "preln", "untied") and any(exponent_list):
+    known = RESIDUALS + (("untied",) if mode == "depth" else ())
+    if scheme not in known:
+        die(f"unknown scheme '{scheme}' in --schemes; use {', '.join(known)}")
+    if scheme not in OWN_EXPONENT and any(exponent_list):
         die(f"--exponents apply to deeploop and deepnorm only, not {scheme}; drop it from --schemes")
 
 
@@ -394,22 +400,47 @@ for (s, r, p, lr), st in stats.items():
     lines.append(f"| {s} | {r} | {p_text} | {lr:g} | {st['escaped']}/{st['runs']}{diverged} | {fmt(st['loss'])} | "
                  f"{fmt(st['escaped_loss'])} | {fmt(st['kappa'], 2)} |")
 
-if mode == "lr":
-    # a scheme's best rate is the one with the lowest mean final loss over all seeds; a rate where any run diverged
-    # is not eligible
+
+
+def best_rate(s, r, p):
+    """The rate with the lowest mean final loss over all seeds, or None; a rate where any run diverged is not
+    eligible."""
+    eligible = [(stats[s, r, p, lr]["loss"][0], lr) for lr in lr_list
+                if stats[s, r, p, lr]["loss"] and not stats[s, r, p, lr]["diverged"]]
+    return min(eligible)[1] if eligible else None
+
+
+if mode in ("lr", "transfer"):
     lines += ["", "Each scheme at its best learning rate (lowest mean final val loss over all seeds):", "",
               "| scheme | R | best lr | val loss | escaped |", "|---|---|---|---|---|"]
     for s in scheme_list:
         for p in exponent_list:
             for r in loop_list:
-                eligible = [(stats[s, r, p, lr]["loss"][0], lr) for lr in lr_list
-                            if stats[s, r, p, lr]["loss"] and not stats[s, r, p, lr]["diverged"]]
-                if eligible:
-                    best = stats[s, r, p, min(eligible)[1]]
-                    lines.append(f"| {scheme_label(s, p)} | {r} | {min(eligible)[1]:g} | {fmt(best['loss'])} | "
-                                 f"{best['escaped']}/{best['runs']} |")
-                else:
+                lr = best_rate(s, r, p)
+                if lr is None:
                     lines.append(f"| {scheme_label(s, p)} | {r} | — | every rate had a diverged run | — |")
+                    continue
+                edge = " (grid edge)" if len(lr_list) > 1 and lr in (min(lr_list), max(lr_list)) else ""
+                best = stats[s, r, p, lr]
+                lines.append(f"| {scheme_label(s, p)} | {r} | {lr:g}{edge} | {fmt(best['loss'])} | "
+                             f"{best['escaped']}/{best['runs']} |")
+if mode == "transfer":
+    # how far each scheme's best rate moves across the loop counts, in factors of 2 of the grid, and which scheme
+    # is best at each R when every scheme gets its own best rate
+    lines += ["", "Does the best rate stay put as R grows? (a best rate at the grid's edge is not bracketed)", ""]
+    for s in scheme_list:
+        for p in exponent_list:
+            rates = {r: best_rate(s, r, p) for r in loop_list}
+            found = [lr for lr in rates.values() if lr is not None]
+            spread = ("no eligible rate" if not found else "stays put" if max(found) == min(found) else
+                      f"moves by a factor {max(found) / min(found):g}")
+            lines.append(f"- {scheme_label(s, p)}: " + ", ".join(f"R={r} {lr:g}" if lr else f"R={r} —"
+                                                                    for r, lr in rates.items()) + f": {spread}")
+    lines += ["", "Best scheme at each R, each at its own best rate:", ""]
+    for r in loop_list:
+        ranked = sorted((stats[s, r, p, lr]["loss"][0], scheme_label(s, p), lr) for s in scheme_list
+                        for p in exponent_list for lr in [best_rate(s, r, p)] if lr is not None)
+        lines.append(f"- R={r}: " + ", ".join(f"{label} {loss:.4f} (lr {lr:g})" for loss, label, lr in ranked))
 if mode == "loops":
     lines += ["", "Final val loss by loop count (the paper's Table 1 layout):", "",
               "| scheme | " + " | ".join(f"R={r} (N={n_layer * r})" for r in loop_list) + " |",
@@ -504,6 +535,24 @@ elif mode == "lr":
     ax.set_ylabel("final val loss (mean ± std over seeds)")
     ax.set_title("each scheme across learning rates")
     ax.legend(fontsize=8)
+elif mode == "transfer":  # one panel per scheme, one line per R: a best rate that stays put lines the minima up
+    plt.close(fig)
+    panels = [(s, p) for s in scheme_list for p in exponent_list]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.8), sharey=True, squeeze=False)
+    for (s, p), ax in zip(panels, axes[0]):
+        for r in loop_list:
+            points = [(lr, *stats[s, r, p, lr]["loss"]) for lr in lr_list if stats[s, r, p, lr]["loss"]]
+            if points:
+                xs, ms, sd = zip(*points)
+                ax.errorbar(xs, ms, yerr=sd, marker="o", capsize=2, label=f"R={r}")
+        ax.axhline(floor, color="black", ls="--", lw=1)
+        ax.set_xscale("log")
+        ax.set_xticks(lr_list, [f"{lr:g}" for lr in lr_list], rotation=45, fontsize=7)
+        ax.minorticks_off()
+        ax.set_xlabel("peak learning rate")
+        ax.set_title(scheme_label(s, p))
+    axes[0][0].set_ylabel("final val loss (mean ± std over seeds)")
+    axes[0][0].legend(fontsize=8)
 else:
     for s in scheme_list:
         for p in exponent_list:

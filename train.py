@@ -73,8 +73,9 @@ n_head = 12
 n_embd = 768
 dropout = 0.0
 bias = True
-residual = "deeploop"    # deeploop | deepnorm | postln | preln
+residual = "deeploop"    # deeploop | deepnorm | postln | preln | preln_scaled
 residual_exponent = 0.0  # p of alpha = (2N)^p, beta = (8N)^-p for deeploop/deepnorm; 0 = the scheme's own
+residual_lambda = 1.0    # preln_scaled's branches times residual_lambda / (n_loop * sqrt(n_layer)); model.branch_scale
 norm = "layernorm"       # layernorm | rmsnorm
 position_encoding = "learned"  # learned | rope
 norm_branch_input = False  # Post-LN blocks as x = Norm(alpha * x + f(Norm(x))), the DeepLoop paper's form
@@ -271,8 +272,9 @@ def to_device(batch):
 # model and optimizer
 model_args = dict(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_loop=n_loop, n_head=n_head,
                   n_embd=n_embd, dropout=dropout, bias=bias, residual=residual,
-                  residual_exponent=residual_exponent, norm=norm, position_encoding=position_encoding,
-                  norm_branch_input=norm_branch_input, coefficient_loops=coefficient_loops)
+                  residual_exponent=residual_exponent, residual_lambda=residual_lambda, norm=norm,
+                  position_encoding=position_encoding, norm_branch_input=norm_branch_input,
+                  coefficient_loops=coefficient_loops)
 try:
     gpt_config = GPTConfig(**model_args)
 except ValueError as e:

@@ -8,7 +8,8 @@ from torch._dynamo.utils import counters
 from torch.func import functional_call
 from torch.nn import functional as F
 
-from model import (GPT, GPTConfig, KVCache, NORMS, POSITION_ENCODINGS, RESIDUALS, TrainLoops, apply_rotary,
+from model import (GPT, GPTConfig, KVCache, NORMS, POSITION_ENCODINGS, PRE_LN, RESIDUALS, TrainLoops, apply_rotary,
+                   branch_scale,
                    residual_coefficients)
 
 
@@ -22,7 +23,8 @@ PAPER = dict(norm="rmsnorm", position_encoding="rope", norm_branch_input=True)  
 # every backbone: both norms x both position encodings x both Post-LN block forms, and Pre-LN with each norm/position
 BACKBONES = [dict(residual="deeploop", norm=n, position_encoding=p, norm_branch_input=b)
              for n in NORMS for p in POSITION_ENCODINGS for b in (False, True)] + \
-            [dict(residual="preln", norm=n, position_encoding=p) for n in NORMS for p in POSITION_ENCODINGS]
+            [dict(residual="preln", norm=n, position_encoding=p) for n in NORMS for p in POSITION_ENCODINGS] + \
+            [dict(residual="preln_scaled")]
 
 
 def backbone_id(backbone):
@@ -68,6 +70,52 @@ def test_bad_residual_exponent_is_rejected():
 def test_unknown_residual_is_rejected():
     with pytest.raises(ValueError, match="unknown residual scheme 'deepnet'"):
         GPTConfig(residual="deepnet")
+
+
+@pytest.mark.parametrize("n_layer,n_loop,lam,epsilon", [(1, 1, 1.0, 1.0), (2, 1, 1.0, 2 ** -0.5),
+                                                        (2, 4, 1.0, 2 ** -0.5 / 4), (4, 8, 2.0, 0.125),
+                                                        (9, 3, 0.5, 1 / 18)])
+def test_preln_scaled_multiplies_branches_by_lambda_over_loops_times_sqrt_layers(n_layer, n_loop, lam, epsilon):
+    assert branch_scale("preln_scaled", n_layer, n_loop, lam) == pytest.approx(epsilon)
+    for residual in ("deeploop", "deepnorm", "postln", "preln"):
+        assert branch_scale(residual, n_layer, n_loop) == 1.0
+    assert residual_coefficients("preln_scaled", n_layer * n_loop) == (1.0, 1.0)
+    model = GPT(tiny(residual="preln_scaled", n_layer=n_layer, n_loop=n_loop, residual_lambda=lam))
+    assert model.epsilon == model.transformer.h[-1].epsilon == pytest.approx(epsilon)
+
+
+def test_preln_scaled_forward_is_gpt2_pre_ln_with_the_branches_times_epsilon():
+    torch.manual_seed(0)
+    model = GPT(tiny(residual="preln_scaled", n_layer=2, n_loop=3, residual_lambda=1.5)).eval()
+    eps = 1.5 / (3 * math.sqrt(2))
+    idx = torch.randint(0, 128, (2, 10))
+    t = model.transformer
+    x = t.wte(idx) + t.wpe(torch.arange(10))  # Pre-LN: no norm on the embedding
+    for block in [*t.h] * 3:
+        h = block.ln_1(x)
+        q, k, v = (w.view(2, 10, 2, 16).transpose(1, 2) for w in block.attn.c_attn(h).split(32, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 10, 32)
+        x = x + eps * block.attn.c_proj(y)
+        x = x + eps * block.mlp.c_proj(F.gelu(block.mlp.c_fc(block.ln_2(x))))
+    expected = model.lm_head(t.ln_f(x))
+    assert torch.allclose(model(idx)[0], expected, atol=1e-5)
+    # the depth lives in epsilon: unlike preln, the output projections keep GPT-2's plain std 0.02
+    torch.manual_seed(0)
+    wide = GPT(tiny(residual="preln_scaled", n_layer=2, n_loop=8, n_embd=256, n_head=4))
+    assert wide.transformer.h[0].mlp.c_proj.weight.std().item() == pytest.approx(0.02, rel=0.02)
+
+
+@pytest.mark.parametrize("residual,lam,message", [
+    ("preln_scaled", -1.0, "residual_lambda must be a positive number (the paper's lambda, 1 by default), got -1.0"),
+    ("preln_scaled", 0.0, "residual_lambda must be a positive number (the paper's lambda, 1 by default), got 0.0"),
+    ("preln_scaled", math.inf, "residual_lambda must be a positive number (the paper's lambda, 1 by default), got inf"),
+    ("preln", 2.0, "residual_lambda=2.0 only applies to preln_scaled, not preln; leave it at 1 or use "
+                   "--residual=preln_scaled"),
+])
+def test_bad_residual_lambda_is_rejected(residual, lam, message):
+    with pytest.raises(ValueError) as e:
+        GPTConfig(residual=residual, residual_lambda=lam)
+    assert str(e.value) == message
 
 
 @pytest.mark.parametrize("backbone", [{}, PAPER], ids=["gpt2", "paper"])
@@ -186,15 +234,16 @@ def test_gradients_finite_for_deeploop_at_unrolled_depth_96():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
 
 
-def test_loop_diagnostics_per_visit_gradients_sum_to_the_real_gradient():
+@pytest.mark.parametrize("residual", ["deeploop", "preln_scaled"])
+def test_loop_diagnostics_per_visit_gradients_sum_to_the_real_gradient(residual):
     torch.manual_seed(0)
-    model = GPT(tiny(n_layer=2, n_loop=3))
+    model = GPT(tiny(n_layer=2, n_loop=3, residual=residual))
     idx = torch.randint(0, 128, (2, 16))
     targets = torch.roll(idx, -1, 1)
     diag = model.loop_diagnostics(idx, targets)
     assert len(diag["residual_rms"]) == 6 and len(diag["grad_norm"]) == 2 and len(diag["grad_norm"][0]) == 3
-    # Post-LN: every visit ends in a LayerNorm with unit gain and zero bias at init
-    assert diag["residual_rms"] == pytest.approx([1.0] * 6, rel=1e-3)
+    if residual == "deeploop":  # Post-LN: every visit ends in a LayerNorm with unit gain and zero bias at init
+        assert diag["residual_rms"] == pytest.approx([1.0] * 6, rel=1e-3)
     _, loss = model(idx, targets)
     loss.backward()
     for b, block in enumerate(model.transformer.h):
@@ -390,9 +439,9 @@ def test_rmsnorm_replaces_every_layernorm(residual):
     model = GPT(tiny(residual=residual, norm="rmsnorm", n_loop=2))
     assert not [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
     norms = [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
-    assert len(norms) == 2 * 2 + (1 if residual == "preln" else 1)  # ln_1, ln_2 per block; ln_f or ln_e
+    assert len(norms) == 2 * 2 + 1  # ln_1, ln_2 per block; ln_f (Pre-LN) or ln_e (Post-LN)
     assert all(norm.eps == 1e-5 and norm.weight.shape == (32,) for norm in norms)
-    if residual != "preln":
+    if residual not in PRE_LN:
         # a Post-LN stream leaves every visit with RMS 1 per position, and, unlike LayerNorm's, a non-zero mean
         x = model.transformer.h[0](model._embed(torch.randint(0, 128, (2, 16))))
         torch.testing.assert_close(x.pow(2).mean(-1), torch.ones(2, 16), rtol=1e-4, atol=1e-4)

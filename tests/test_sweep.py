@@ -91,7 +91,7 @@ def test_lr_mode_picks_each_schemes_best_rate_and_skips_rates_with_a_diverged_ru
     assert "| preln | 1 | — | 0.001 | 0/2 |" in table
     best = table.split("Each scheme at its best learning rate")[1]
     assert f"| deeploop | 1 | 0.001 | 2.8500 ± {0.1 / 2 ** 0.5:.4f} | 2/2 |" in best
-    assert "| preln | 3 | 0.0003 | " in best and " | 0/2 |" in best  # all equal: the first rate of the grid
+    assert "| preln | 3 | 0.0003 (grid edge) | " in best and " | 0/2 |" in best  # all equal: the first rate
     assert (out / "lr.png").stat().st_size > 10000
 
 
@@ -107,6 +107,27 @@ def test_loops_mode_writes_the_table_1_layout(tmp_path, floor):
     assert "| preln | 2.5100 ± 0.0000 | 2.5300 ± 0.0000 |" in layout
     assert f"| deeploop | 2.5100 ± 0.0000 | {(2.53 + floor) / 2:.4f} ± " in layout and "(1 of 2 stalled) |" in layout
     assert (out / "loops.png").stat().st_size > 10000
+
+
+def test_transfer_mode_reads_each_schemes_best_rate_at_each_loop_count(tmp_path, floor):
+    out = tmp_path / "transfer"
+    rates = (1e-3, 2e-3, 4e-3, 8e-3)
+    # preln's optimum halves from R=1 to R=4; preln_scaled's stays at 4e-3 and is lower at R=4, but diverges at 8e-3
+    loss = {("preln", 1): [2.9, 2.8, 2.7, 2.75], ("preln", 4): [2.8, 2.6, 2.65, 2.7],
+            ("preln_scaled", 1): [2.95, 2.85, 2.75, None], ("preln_scaled", 4): [2.9, 2.7, 2.5, None]}
+    write_runs(out, {(s, r, 0.0, lr, seed): None if v is None else v + seed / 100
+                     for (s, r), vs in loss.items() for lr, v in zip(rates, vs) for seed in (0, 1)})
+    r = sweep_made_up("--mode=transfer", f"--out_dir={out}", "--schemes=preln,preln_scaled", "--loops=1,4",
+                      "--learning_rates=1e-3,2e-3,4e-3,8e-3", "--seeds=0,1")
+    assert r.returncode == 0, r.stderr
+    table = (out / "results.md").read_text()
+    best = table.split("Each scheme at its best learning rate")[1]
+    assert f"| preln | 1 | 0.004 | 2.7050 ± {0.01 / 2 ** 0.5:.4f} | 2/2 |" in best
+    assert "| preln | 4 | 0.002 | 2.6050 ± " in best and "| preln_scaled | 4 | 0.004 | 2.5050 ± " in best
+    assert "- preln: R=1 0.004, R=4 0.002: moves by a factor 2" in table
+    assert "- preln_scaled: R=1 0.004, R=4 0.004: stays put" in table
+    assert "- R=4: preln_scaled 2.5050 (lr 0.004), preln 2.6050 (lr 0.002)" in table
+    assert (out / "transfer.png").stat().st_size > 10000
 
 
 def write_depth_runs(out, runs):
@@ -183,9 +204,12 @@ def test_a_tiny_real_sweep_records_kappa_and_resumes(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--loops=1,two"], "loops must be comma-separated ints like 1,3,5,7, got '1,two'"),
-    (["--mode=width"], "unknown mode 'width'; use --mode=exponent, --mode=lr, --mode=loops or --mode=depth"),
+    (["--mode=width"], "unknown mode 'width'; use --mode=exponent, --mode=lr, --mode=loops, --mode=transfer or "
+                       "--mode=depth"),
+    (["--schemes=rival"], "unknown scheme 'rival' in --schemes; use deeploop, deepnorm, postln, preln, "
+                          "preln_scaled"),
     (["--mode=loops", "--schemes=untied"],
-     "unknown scheme 'untied' in --schemes; use deeploop, deepnorm, postln, preln"),
+     "unknown scheme 'untied' in --schemes; use deeploop, deepnorm, postln, preln, preln_scaled"),
     (["--mode=lr", "--schemes=preln", "--exponents=0.3"],
      "--exponents apply to deeploop and deepnorm only, not preln; drop it from --schemes"),
 ])

@@ -116,6 +116,23 @@ def test_residual_exponent_travels_in_the_checkpoint_and_old_checkpoints_load(wo
                              "it at 0 or use --residual=deeploop\n")
 
 
+def test_residual_lambda_travels_in_the_checkpoint_and_a_bad_one_is_a_one_line_error(workdir):
+    train(workdir, "--out_dir=rival", "--max_iters=1", "--residual=preln_scaled", "--residual_lambda=2")
+    path = os.path.join(workdir, "rival", "ckpt.pt")
+    ckpt = load(workdir / "rival")
+    assert ckpt["model_args"]["residual_lambda"] == 2.0
+    model, _ = GPT.from_checkpoint(path)
+    assert model.epsilon == pytest.approx(2 / (2 * 2 ** 0.5))  # 2 loops over 2 blocks
+    del ckpt["model_args"]["residual_lambda"]  # a checkpoint from before the setting: lambda 1
+    torch.save(ckpt, path)
+    assert GPT.from_checkpoint(path)[0].epsilon == pytest.approx(1 / (2 * 2 ** 0.5))
+    result = train(workdir, "--out_dir=rival", "--max_iters=1", "--residual=preln_scaled", "--residual_lambda=-1",
+                   expect_rc=2)
+    assert result.stderr == ("error: residual_lambda must be a positive number (the paper's lambda, 1 by default), "
+                             "got -1.0\n")
+    assert GPT.from_checkpoint(path)[0].epsilon == pytest.approx(1 / (2 * 2 ** 0.5))  # nothing overwritten
+
+
 @pytest.fixture(scope="module")
 def whole(workdir):
     """The run that first_half and the stopped runs below are resumed to match: 2 * HALF steps without a stop."""
