@@ -14,15 +14,15 @@ supervised, so one sequence measures every k from 1 to max_hops:
 Why depth: a layer can follow a pointer by attending to the cell it names and reading what that cell knows, so a
 network of depth D resolves chains of about D hops following one pointer a layer, or up to 2^D when it learns to
 jump along pointers that it has already followed (pointer doubling); either way, more loops reach larger k. Nothing
-but following the pointers tells the answer: every chain's first value is drawn independently, so a model that
-does not follow the chain of a cell can only guess among the values it has seen (the shortcuts below measure how
-well such guesses do).
+but following the pointers tells the answer: the chains of a sequence start from distinct values (while there are
+enough), so a model that does not follow the chain of a cell can only guess among the values it has seen (the
+shortcuts below measure how well such guesses do).
 
 Chains have 1 to max_hops pointers (uniform), so k = j has a share proportional to max_hops + 1 - j.
 
     task = PointerChains(n_values=8, max_hops=16, block_size=64, seed=0, split="train")
     x, y = task.batch(index, batch_size)    # like dataset.TokenWindows.batch: a function of (seed, split, index)
-    k = hops(x, n_values)                   # the hops of every cell, from x alone
+    k = task.hops(x)                        # the hops of every cell, from x alone
 
 A library module: bad settings raise ValueError naming the fix.
 """
