@@ -85,7 +85,7 @@ loop_min = 0
 loop_max = 0
 loop_mean = 0.0
 backprop_loops = 0       # gradients through the last this many loops of a step only; 0: through all of them
-coefficient_loops = 0    # alpha and beta from the unrolled depth n_layer * coefficient_loops; 0: n_loop
+coefficient_loops = 0    # alpha, beta (preln_scaled: epsilon) from n_layer * coefficient_loops; 0: n_loop
 # val loss at these loop counts too, e.g. "1,2,3,4"; "": 1 and 2 * n_loop with sampled loop counts, none with fixed
 # ones (each count costs evaluation time, and under torch.compile a compilation)
 eval_loops = ""
