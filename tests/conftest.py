@@ -1,6 +1,7 @@
 import os
 import sys
 
+import pytest
 import torch
 
 # the scripts are flat modules at the repo root, imported by the tests as they are
@@ -11,3 +12,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # match a subprocess's to the bit.
 os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def builtin_bytes(tmp_path_factory):
+    """data/builtin_bytes prepared once for all tests (~3 s each time): a test links it into the folder it runs in."""
+    from prepare_data import prepare
+    out_dir = tmp_path_factory.mktemp("builtin") / "builtin_bytes"
+    prepare("builtin", tokenizer="bytes", out_dir=str(out_dir), quiet=True)
+    return out_dir

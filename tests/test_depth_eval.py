@@ -3,16 +3,14 @@ solved and failed answers (and sample.py, which has no text to show for such a r
 
 import json
 import os
-import subprocess
-import sys
+
+from scripts import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
 def run(script, *args, cwd):
-    return subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=cwd, env=ENV, capture_output=True,
-                          text=True, timeout=300)
+    return run_script(script, *args, cwd=cwd)
 
 
 def test_depth_eval_reproduces_the_runs_accuracy_and_shows_examples(tmp_path):

@@ -1,25 +1,22 @@
 """gpu_check.py's dry run: every check of the GPU script, on a tiny model on CPU, with two gloo processes for the
 torchrun check."""
 
-import os
 import re
-import subprocess
-import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GPU_CHECK = os.path.join(ROOT, "gpu_check.py")
-ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+from scripts import run_script
+
 DRY = ["--dry=True", "--device=cpu", "--dtype=float32", "--compile=False", "--dataset=builtin_bytes"]
 
 
 def gpu_check(cwd, *args):
-    return subprocess.run([sys.executable, GPU_CHECK, *DRY, *args], cwd=cwd, env=ENV, capture_output=True, text=True,
-                          timeout=600)
+    return run_script("gpu_check.py", *DRY, *args, cwd=cwd)  # its runs of train.py and torchrun are subprocesses
 
 
-def test_dry_run_passes_every_check_and_refuses_to_write_over_it(tmp_path):
+def test_dry_run_passes_every_check_and_refuses_to_write_over_it(tmp_path, builtin_bytes):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "builtin_bytes").symlink_to(builtin_bytes)
     result = gpu_check(tmp_path, "--nproc=2")
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     lines = result.stdout.splitlines()

@@ -1,7 +1,5 @@
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -9,6 +7,7 @@ import torch
 from model import GPT, GPTConfig
 from dataset import get_tokenizer
 from prepare_data import prepare
+from scripts import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # English with multi-byte UTF-8 characters, so that byte-level samples split characters across tokens
@@ -16,14 +15,8 @@ CORPUS = ("The cat sat on the mat. The dog sat on the log. A café in Zürich se
           "Über den Wolken scheint die Sonne. ")
 
 
-# One thread per process: these models are far too small to gain from a second, and on a machine busy with other
-# work two threads that wait for each other at every op make a run many times slower.
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONIOENCODING="utf-8")
-
-
 def run(script, *args, cwd=ROOT):
-    return subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=cwd, env=ENV,
-                          capture_output=True, encoding="utf-8", timeout=120)
+    return run_script(script, *args, cwd=cwd)
 
 
 def sample(out_dir, *args):

@@ -3,8 +3,6 @@ result.json is not trained again, so these tests train nothing), and one tiny re
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -12,6 +10,7 @@ import pytest
 from dataset import read_shard
 from plot import read_metrics
 from prepare_data import prepare_builtin_if_missing
+from scripts import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARGIN = 0.1
@@ -27,7 +26,7 @@ def floor():
 
 
 def sweep(*args):
-    return subprocess.run([sys.executable, "sweep.py", *args], cwd=ROOT, capture_output=True, text=True)
+    return run_script("sweep.py", *args)  # its train.py runs are subprocesses still
 
 
 def write_runs(out, runs):

@@ -19,6 +19,7 @@ import torch
 from model import GPT, TrainLoops
 from plot import read_metrics
 from prepare_data import prepare
+from scripts import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "train.py")
@@ -33,10 +34,15 @@ SAMPLED = ["--loop_sampling=uniform", "--loop_min=1", "--loop_max=3"]  # loop co
 
 
 def train(cwd, *overrides, nproc=1, expect_rc=0):
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                     f"--nproc_per_node={nproc}"]
-    result = subprocess.run([*launcher, TRAIN, *TINY, *overrides], cwd=cwd, env=ENV, capture_output=True, text=True,
-                            timeout=300)
+    """train.py TINY overrides in cwd: in this process, or in processes of its own for DDP and torch.compile (whose
+    caches would outlive the run here)."""
+    if nproc == 1 and "--compile=True" not in overrides:
+        result = run_script("train.py", *TINY, *overrides, cwd=cwd)
+    else:
+        launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                         f"--nproc_per_node={nproc}"]
+        result = subprocess.run([*launcher, TRAIN, *TINY, *overrides], cwd=cwd, env=ENV, capture_output=True,
+                                text=True, timeout=300)
     assert result.returncode == expect_rc, result.stderr[-3000:]
     return result
 
@@ -268,8 +274,7 @@ def test_sampled_loop_counts_continue_on_resume_and_evaluations_report_several_d
                    "--loop_min=1", "--loop_max=4", expect_rc=2)
     assert result.stderr == ("error: resuming sampled/ckpt.pt with another model: loop_max=4 (checkpoint: 3); use the "
                              "run's config unchanged\n")
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), "sampled", "--png=sampled.png"],
-                            cwd=workdir, env=ENV, capture_output=True, text=True, timeout=120)
+    result = run_script("plot.py", "sampled", "--png=sampled.png", cwd=workdir)
     by_loops = records(workdir / "sampled", "eval")[-1]["val_loss_by_loops"]
     assert result.stdout.splitlines()[-1] == "| deeploop, n_loop=2 (trained at uniform 1..3) | " + \
         " | ".join(f"{by_loops[loops]:.3f}" for loops in "123") + " |"
@@ -382,7 +387,7 @@ def test_a_signal_during_an_evaluation_stops_after_its_checkpoint(workdir, first
     out_dir = workdir / "eval-stopped"
     shutil.copytree(half_dir, out_dir)
     args = [f"--out_dir={out_dir.name}", f"--max_iters={2 * HALF}", "--dropout=0.1", "--init_from=resume"]
-    proc = start(workdir, *args, wrapper=(disk_wrapper(workdir), "slow", "ckpt.pt.tmp", "5"))
+    proc = start(workdir, *args, wrapper=(disk_wrapper(workdir), "slow", "ckpt.pt.tmp", "2"))
     wait_for(lambda: (out_dir / "ckpt.pt.tmp.slow").exists(), proc, "the evaluation's checkpoint write")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 75, output(proc)[-3000:]
@@ -504,13 +509,13 @@ def test_a_record_cut_short_is_removed_on_resume(workdir, first_half):
     assert [r["iter"] for r in records(out_dir, "train")] == list(range(HALF + 1))
 
 
-def test_ten_sigkills_at_random_moments_then_the_same_final_weights(workdir, whole):
-    """A checkpoint at every step; ten times the run is killed (SIGKILL: no cleanup) at a random moment after it
+def test_five_sigkills_at_random_moments_then_the_same_final_weights(workdir, whole):
+    """A checkpoint at every step; five times the run is killed (SIGKILL: no cleanup) at a random moment after it
     started training, and restarted from whatever ckpt.pt holds. It always loads, and the run ends as one that
     never stopped."""
     out_dir, rng = workdir / "chaos", random.Random(0)
     args = [f"--out_dir={out_dir.name}", f"--max_iters={2 * HALF}", "--dropout=0.1", "--eval_interval=1"]
-    for attempt in range(10):
+    for attempt in range(5):  # each costs a new process (~3 s to import torch), hence not more
         resume = ["--init_from=resume"] if (out_dir / "ckpt.pt").exists() else []
         starts_before = len(logged_steps(out_dir, "start"))
         proc = start(workdir, *args, *resume)
@@ -562,8 +567,7 @@ def test_diagnostics_do_not_run_in_float16(workdir, first_half):
 def test_plot_draws_any_number_of_runs(workdir, first_half):
     half_dir, _ = first_half
     train(workdir, "--out_dir=deepnorm", "--residual=deepnorm", "--n_loop=1", "--max_iters=4")
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), str(half_dir), "deepnorm",
-                             "--png=both.png"], cwd=workdir, env=ENV, capture_output=True, text=True, timeout=120)
+    result = run_script("plot.py", str(half_dir), "deepnorm", "--png=both.png", cwd=workdir)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "wrote both.png: deeploop, n_loop=2; deepnorm, n_loop=1"
     assert (workdir / "both.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
