@@ -3,6 +3,7 @@ import sys
 
 import pytest
 import torch
+from tqdm import tqdm
 
 # the scripts are flat modules at the repo root, imported by the tests as they are
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -12,6 +13,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # match a subprocess's to the bit.
 os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
+# tqdm's monitor thread would be running when tests/scripts.py forks a run, and a child forked while it held tqdm's
+# lock would wait for it forever at its first progress bar
+tqdm.monitor_interval = 0
 
 
 @pytest.fixture(scope="session")

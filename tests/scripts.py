@@ -1,9 +1,10 @@
 """Run one of the repo's scripts (train.py, sample.py, ...) inside the test process.
 
 A subprocess costs ~3 s on the test machines before the script's first line runs (importing torch alone is 2.2 s);
-most tests run a script for a fraction of a second after that. Tests that need a process of their own (signals,
-SIGKILL, DDP, torch.compile, file-size limits) still start one. In-process and subprocess runs give the same
-numbers: conftest.py sets the one thread that the tests' subprocesses use.
+most tests run a script for a fraction of a second after that. run_script runs it here; Started runs it in a child
+forked from this process (torch already imported), for tests that signal or kill a run. Tests of what a real
+process does at its own start and end (DDP, torch.compile's caches) still start a new one. In-process, forked and
+subprocess runs give the same numbers: conftest.py sets the one thread that the tests' subprocesses use.
 """
 
 import contextlib
@@ -12,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import traceback
 
 import torch
@@ -59,3 +61,58 @@ def run_script(script, *args, cwd=ROOT, env=None):
             signal.signal(s, handler)
         torch.set_flush_denormal(False)  # train.py turns it on for the process
     return subprocess.CompletedProcess([sys.executable, path, *args], code, out.getvalue(), err.getvalue())
+
+
+class Started:
+    """python <script> <args> in cwd, forked from this process, its stdout and stderr to log (an open file):
+    subprocess.Popen's pid, returncode, poll, wait, send_signal and kill, and log. env: variables added for it."""
+
+    def __init__(self, script, *args, cwd, log, env=None):
+        self.log, self.returncode = log, None
+        path = os.path.join(ROOT, script)
+        self.pid = os.fork()
+        if self.pid:
+            return
+        code = 1  # the child: never return into pytest, and leave by os._exit (no atexit of pytest's)
+        try:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)  # not pytest's capture
+            os.chdir(cwd)
+            os.environ.update(env or {})
+            sys.argv = [path, *map(str, args)]
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as in a new python until the script sets its own
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            with open(path) as f:
+                source = compile(f.read(), path, "exec")
+            exec(source, {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__})
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            os._exit(code)
+
+    def poll(self):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)  # -signal when killed, as Popen's
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"{sys.executable} {self.pid}", timeout)
+            time.sleep(0.005)
+        return self.returncode
+
+    def send_signal(self, signum):
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)

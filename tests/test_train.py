@@ -19,7 +19,7 @@ import torch
 from model import GPT, TrainLoops
 from plot import read_metrics
 from prepare_data import prepare
-from scripts import run_script
+from scripts import Started, run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "train.py")
@@ -220,8 +220,7 @@ def test_nan_loss_stops_and_keeps_the_last_checkpoint(workdir, first_half):
 def test_sigkill_leaves_a_loadable_checkpoint(workdir):
     """A checkpoint at every step, the process killed at some moment of it: ckpt.pt is always a whole file (written
     under another name and renamed), and the run resumes from it."""
-    cmd = [sys.executable, TRAIN, *TINY, "--out_dir=killed", "--max_iters=1000", "--eval_interval=1"]
-    proc = subprocess.Popen(cmd, cwd=workdir, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start(workdir, "--out_dir=killed", "--max_iters=1000", "--eval_interval=1")
     metrics, deadline = workdir / "killed" / "metrics.jsonl", time.time() + 120
     try:
         while not (metrics.exists() and metrics.read_text().count('"type": "eval"') >= 3):
@@ -300,9 +299,13 @@ def test_missing_dataset_names_the_command_that_prepares_it(tmp_path):
     assert lines[0].endswith("python prepare_data.py openwebtext")
 
 
-def start(cwd, *overrides, wrapper=(), env=ENV):
-    """train.py started in the background, its output to files (a pipe that nobody reads could fill and stall it)."""
+def start(cwd, *overrides, wrapper=(), env=None):
+    """train.py started in the background, its output to a file (a pipe that nobody reads could fill and stall it):
+    forked from this process, or a new process with env (the DDP ranks: their start and end are under test). A
+    wrapper script, when given, runs train.py."""
     log = open(os.path.join(cwd, f"train-{time.monotonic_ns()}.log"), "w+")
+    if env is None:
+        return Started(*wrapper, TRAIN, *TINY, *overrides, cwd=cwd, log=log)
     proc = subprocess.Popen([sys.executable, *wrapper, TRAIN, *TINY, *overrides], cwd=cwd, env=env, stdout=log,
                             stderr=subprocess.STDOUT, text=True)
     proc.log = log
@@ -470,12 +473,10 @@ def test_a_full_disk_keeps_the_previous_checkpoint(workdir, first_half):
     out_dir = workdir / "full-ckpt"
     shutil.copytree(half_dir, out_dir)
     before = (out_dir / "ckpt.pt").read_bytes()
-    result = subprocess.run([sys.executable, disk_wrapper(workdir), "full", "ckpt.pt.tmp", "5000", TRAIN, *TINY,
-                             f"--out_dir={out_dir.name}", f"--max_iters={2 * HALF}", "--init_from=resume",
-                             "--dropout=0.1"],
-                            cwd=workdir, env=ENV, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
+    proc = start(workdir, f"--out_dir={out_dir.name}", f"--max_iters={2 * HALF}", "--init_from=resume",
+                 "--dropout=0.1", wrapper=(disk_wrapper(workdir), "full", "ckpt.pt.tmp", "5000"))
+    assert proc.wait(timeout=300) == 2 and "Traceback" not in output(proc)
+    assert output(proc).strip().splitlines()[-1:] == [
         f"error: writing {out_dir.name}/ckpt.pt failed at step 8: No space left on device; {out_dir.name}/ckpt.pt "
         f"keeps step {HALF}; make room (or fix the folder) and resume with --init_from=resume"]
     assert (out_dir / "ckpt.pt").read_bytes() == before and not (out_dir / "ckpt.pt.tmp").exists()
@@ -484,11 +485,10 @@ def test_a_full_disk_keeps_the_previous_checkpoint(workdir, first_half):
 
 def test_a_full_disk_leaves_no_half_record_in_metrics(workdir):
     out_dir = workdir / "full-metrics"
-    result = subprocess.run([sys.executable, disk_wrapper(workdir), "full", "metrics.jsonl", "4000", TRAIN, *TINY,
-                             f"--out_dir={out_dir.name}", "--max_iters=1000"],
-                            cwd=workdir, env=ENV, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
+    proc = start(workdir, f"--out_dir={out_dir.name}", "--max_iters=1000",
+                 wrapper=(disk_wrapper(workdir), "full", "metrics.jsonl", "4000"))
+    assert proc.wait(timeout=300) == 2 and "Traceback" not in output(proc)
+    lines = [line for line in output(proc).strip().splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and re.fullmatch(rf"error: writing {out_dir.name}/metrics.jsonl failed at step \d+: No "
                                             rf"space left on device; {out_dir.name}/ckpt.pt keeps step \d+; .*",
                                             lines[0]), lines
@@ -509,13 +509,13 @@ def test_a_record_cut_short_is_removed_on_resume(workdir, first_half):
     assert [r["iter"] for r in records(out_dir, "train")] == list(range(HALF + 1))
 
 
-def test_five_sigkills_at_random_moments_then_the_same_final_weights(workdir, whole):
-    """A checkpoint at every step; five times the run is killed (SIGKILL: no cleanup) at a random moment after it
+def test_ten_sigkills_at_random_moments_then_the_same_final_weights(workdir, whole):
+    """A checkpoint at every step; ten times the run is killed (SIGKILL: no cleanup) at a random moment after it
     started training, and restarted from whatever ckpt.pt holds. It always loads, and the run ends as one that
     never stopped."""
     out_dir, rng = workdir / "chaos", random.Random(0)
     args = [f"--out_dir={out_dir.name}", f"--max_iters={2 * HALF}", "--dropout=0.1", "--eval_interval=1"]
-    for attempt in range(5):  # each costs a new process (~3 s to import torch), hence not more
+    for attempt in range(10):
         resume = ["--init_from=resume"] if (out_dir / "ckpt.pt").exists() else []
         starts_before = len(logged_steps(out_dir, "start"))
         proc = start(workdir, *args, *resume)
