@@ -9,10 +9,10 @@ is measured here is exactly what train.py does. Three modes share the runs, the 
     python sweep.py --mode=loops --schemes=preln,deeploop,deepnorm,postln --seeds=0   # any grid, by override
     python sweep.py --mode=depth      # where depth is the bottleneck: accuracy by k on pointer chains (tasks.py)
 
-The depth mode is apart from the other three: its runs train config/depth_cpu.py (the settings of the model and the
-budget given to sweep.py on the command line override it), scheme `untied` is the control with n_layer * R blocks
-run once (Pre-LN, R times the parameters), and its results are accuracy by k instead of loss; see the end of the
-file and docs/depth_task.md.
+The depth mode is apart from the other three: its runs train config/depth_cpu.py on a smaller budget (DEPTH_BUDGET;
+the settings of the model and the budget given to sweep.py on the command line override both), scheme `untied` is
+the control with n_layer * R blocks run once (Pre-LN, R times the parameters), and its results are accuracy by k
+instead of loss; see the end of the file and docs/depth_task.md.
 
 Each mode runs every combination of its schemes x loops x exponents x learning_rates x seeds (an empty setting takes
 the mode's default, MODES below) and writes out_dir/results.md (tables), out_dir/<mode>.png (its plot) and
@@ -86,6 +86,9 @@ MODES = {
                   learning_rates="1e-3,3e-3", seeds="0,1,2"),
 }
 DEPTH_CONFIG = "config/depth_cpu.py"  # what every run of the depth mode trains, before the grid's settings
+# ... and on a smaller budget than the config's 1,500 x 64 sequences, so that the 90 runs of the grid fit 30 minutes
+# on 2 cores (measured: R = 8 takes ~60 s at this budget with 2 runs at a time); the command line overrides it
+DEPTH_BUDGET = dict(batch_size=32, max_iters=600, warmup_iters=100)
 MODEL_AND_BUDGET = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "max_iters", "warmup_iters",
                     "eval_iters")
 # Appendix C of the paper: runs out of 5 (GPT-2 small, R = 3, ~2,700 steps) that escaped the unigram floor
@@ -95,6 +98,8 @@ if mode not in MODES:
     die(f"unknown mode {mode!r}; use --mode=exponent, --mode=lr, --mode=loops, --mode=transfer or "
         f"--mode=depth")
 out_dir = out_dir or f"out-sweep-{mode}"
+depth_budget = dict(DEPTH_BUDGET, **{k: config[k] for k in MODEL_AND_BUDGET
+                                     if any(a.startswith(f"--{k}=") for a in sys.argv[1:])})
 
 
 def number_list(name, kind):
@@ -140,12 +145,10 @@ def train(scheme, n_loop, exponent, lr, seed):
     if mode == "depth":
         # the untied control: the same unrolled depth as R loops over n_layer blocks, every block its own
         untied = scheme == "untied"
-        args = dict({k: config[k] for k in MODEL_AND_BUDGET if any(a.startswith(f"--{k}=") for a in sys.argv[1:])},
-                    out_dir=run_dir, residual="preln" if untied else scheme, residual_exponent=exponent,
+        args = dict(depth_budget, out_dir=run_dir, residual="preln" if untied else scheme, residual_exponent=exponent,
                     n_layer=n_layer * n_loop if untied else n_layer, n_loop=1 if untied else n_loop,
                     learning_rate=lr, min_lr=lr / 10, seed=seed, device="cpu", dtype=run_dtype, compile=False)
-        if "max_iters" in args:
-            args.update(lr_decay_iters=args["max_iters"], eval_interval=args["max_iters"])
+        args.update(lr_decay_iters=args["max_iters"], eval_interval=args["max_iters"])
         cmd = [sys.executable, "train.py", DEPTH_CONFIG] + [f"--{k}={v}" for k, v in args.items()]
     else:
         args = dict(out_dir=run_dir, dataset=dataset, residual=scheme, residual_exponent=exponent, n_layer=n_layer,
@@ -251,7 +254,10 @@ if mode != "depth":
 grid = [(s, r, p, lr, seed) for s in scheme_list for r in loop_list for p in exponent_list for lr in lr_list
         for seed in seed_list if (s, r) != ("untied", 1)]  # untied at R = 1 is Pre-LN at R = 1
 jobs = sorted(grid, key=lambda job: -job[1])  # the deepest runs first: the last minutes are not one run on one core
-budget = "the settings of " + DEPTH_CONFIG if mode == "depth" else f"{max_iters * batch_size * block_size:,} tokens"
+if mode == "depth":
+    budget = f"{DEPTH_CONFIG} with " + ", ".join(f"{k}={v}" for k, v in depth_budget.items())
+else:
+    budget = f"{max_iters * batch_size * block_size:,} tokens"
 print(f"{mode} sweep: {len(grid)} runs of {budget}, {workers} at a time, into {out_dir}/runs", flush=True)
 with ThreadPoolExecutor(workers) as pool:
     results = dict(zip(jobs, pool.map(lambda job: train(*job), jobs)))
@@ -289,7 +295,7 @@ if mode == "depth":
     best = {key: (lr, done[(*key, lr)]) for key, (_, lr) in best_lr.items()}
     first = next(iter(results.values()))
     lines = [f"# sweep.py --mode=depth", "",
-             f"Val accuracy by k (the pointers to follow) on the task of {DEPTH_CONFIG} (tasks.py), {n_layer} physical "
+             f"Val accuracy by k (the pointers to follow) on the task of {budget} (tasks.py), {n_layer} physical "
              f"blocks looped R times; `untied` is the control with {n_layer}R blocks run once (Pre-LN). Seeds "
              f"{','.join(map(str, seed_list))}, learning rates {', '.join(f'{lr:g}' for lr in lr_list)}; mean ± std "
              f"over seeds. Chance is 1/chain_values; the best shortcut is the best of the guesses that do not follow "

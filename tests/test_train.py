@@ -600,6 +600,13 @@ def test_a_signal_to_one_ddp_process_stops_both_at_the_same_step(workdir):
                         rf"python .* --init_from=resume \(launched as this run was\)",
                         output(procs[0]).strip().splitlines()[-1])
     assert output(procs[1]) == ""
+    # resumed as it says, the two processes train on to the end and both exit cleanly
+    end = ckpt["iter_num"] + 2
+    procs = start_ranks(workdir, f"--out_dir={out_dir.name}", f"--max_iters={end}", "--dropout=0.1",
+                        "--init_from=resume")
+    assert [p.wait(timeout=120) for p in procs] == [0, 0], output(procs[0])[-3000:] + output(procs[1])[-3000:]
+    assert load(out_dir)["iter_num"] == end and max(logged_steps(out_dir)) == end - 1
+    assert "Traceback" not in output(procs[0]) and output(procs[1]) == ""
 
 
 PAPER = ["--norm=rmsnorm", "--position_encoding=rope", "--norm_branch_input=True"]  # config/paper_*.py's backbone
