@@ -87,8 +87,8 @@ MODES = {
 }
 DEPTH_CONFIG = "config/depth_cpu.py"  # what every run of the depth mode trains, before the grid's settings
 # ... and on a smaller budget than the config's 1,500 x 64 sequences, so that the 90 runs of the grid fit 30 minutes
-# on 2 cores (measured: R = 8 takes ~60 s at this budget with 2 runs at a time); the command line overrides it
-DEPTH_BUDGET = dict(batch_size=32, max_iters=600, warmup_iters=100)
+# on 2 cores (at 600 steps they took 32; see docs/depth_task.md); the command line overrides it
+DEPTH_BUDGET = dict(batch_size=32, max_iters=500, warmup_iters=100)
 MODEL_AND_BUDGET = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "max_iters", "warmup_iters",
                     "eval_iters")
 # Appendix C of the paper: runs out of 5 (GPT-2 small, R = 3, ~2,700 steps) that escaped the unigram floor
