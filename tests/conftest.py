@@ -1,12 +1,17 @@
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 from tqdm import tqdm
 
 # the scripts are flat modules at the repo root, imported by the tests as they are
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 # One thread per process, in this one and in the scripts the tests start: the models here are tiny, and on 2 shared
 # cores a second thread only adds contention (and waits for the first at every op). In-process results then also
@@ -18,10 +23,43 @@ torch.set_num_threads(1)
 tqdm.monitor_interval = 0
 
 
-@pytest.fixture(scope="session")
-def builtin_bytes(tmp_path_factory):
-    """data/builtin_bytes prepared once for all tests (~3 s each time): a test links it into the folder it runs in."""
-    from prepare_data import prepare
-    out_dir = tmp_path_factory.mktemp("builtin") / "builtin_bytes"
-    prepare("builtin", tokenizer="bytes", out_dir=str(out_dir), quiet=True)
-    return out_dir
+# Runs started when the session starts. The suite runs in this one process, on one core; the few runs that need
+# processes of their own for 10-30 s (gpu_check's dry run, a compiled bench, a real sweep) start at once on the other
+# core, and their tests collect the results when they come to them. A test file lists its own: EARLY = {test name:
+# function of a private folder -> the command line after `python`, run in the repo's root}.
+_early = {}  # node id -> (Popen, its folder, stdout file, stderr file)
+
+
+def pytest_collection_finish(session):
+    starts = [(item.nodeid, getattr(item.module, "EARLY", {}).get(item.name)) for item in session.items]
+    starts = [(nodeid, command) for nodeid, command in starts if command]
+    if starts:
+        from prepare_data import prepare_builtin_if_missing
+        cwd = os.getcwd()
+        os.chdir(ROOT)
+        prepare_builtin_if_missing("builtin_bytes")  # here, once: the runs below would all start preparing it
+        os.chdir(cwd)
+    for nodeid, command in starts:
+        folder = Path(tempfile.mkdtemp(prefix="deeploop-early-"))
+        out, err = open(folder / "stdout.txt", "w+"), open(folder / "stderr.txt", "w+")
+        proc = subprocess.Popen([sys.executable, *command(folder)], cwd=ROOT, stdout=out, stderr=err, text=True)
+        _early[nodeid] = (proc, folder, out, err)
+
+
+@pytest.fixture
+def early(request):
+    """(this test's EARLY run as subprocess.run returns it, the run's private folder), once the run has ended."""
+    proc, folder, out, err = _early[request.node.nodeid]
+    proc.wait(timeout=600)
+    out.seek(0)
+    err.seek(0)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read()), folder
+
+
+def pytest_sessionfinish(session):
+    for proc, folder, out, err in _early.values():
+        proc.kill()
+        proc.wait()
+        out.close()
+        err.close()
+        shutil.rmtree(folder, ignore_errors=True)

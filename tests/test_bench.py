@@ -65,12 +65,17 @@ def test_bench_prints_throughput_mfu_and_generation_speed_for_both_depths():
     assert float(m.group(1)) == pytest.approx(found[0][1][0] / found[1][1][0], rel=0.01)  # the ratio of the lines
 
 
-def test_compiled_depths_with_generation_stay_within_the_recompile_limit():
+# started with the session (conftest.py): compiling takes ~20 s
+EARLY = {"test_compiled_depths_with_generation_stay_within_the_recompile_limit": lambda folder: [
+    "bench.py", *TINY, "--compare_depths=True", "--compile=True", "--compile_backend=eager", "--dtype=float32"]}
+
+
+def test_compiled_depths_with_generation_stay_within_the_recompile_limit(early):
     """Two compiled models, each training and generating cached and uncached for 1 and 2 sequences: 14 graphs of one
     forward, past dynamo's default limit of 8, after which the last calls would silently run uncompiled. bench.py
     raises the limit to what it needs and makes hitting it an error; the eager backend captures the same graphs
     without the compiler's minutes."""
-    result = bench("--compare_depths=True", "--compile=True", "--compile_backend=eager", "--dtype=float32")
+    result, _ = early
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert [model[2:] for model, _, _ in rows(lines)] == [("float32", ", compiled")] * 2

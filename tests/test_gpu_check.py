@@ -14,10 +14,13 @@ def gpu_check(cwd, *args):
     return run_script("gpu_check.py", *DRY, *args, cwd=cwd)  # its runs of train.py and torchrun are subprocesses
 
 
-def test_dry_run_passes_every_check_and_refuses_to_write_over_it(tmp_path, builtin_bytes):
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "builtin_bytes").symlink_to(builtin_bytes)
-    result = gpu_check(tmp_path, "--nproc=2")
+# started with the session (conftest.py): its train.py, bench.py and torchrun processes take ~30 s
+EARLY = {"test_dry_run_passes_every_check_and_refuses_to_write_over_it":
+         lambda folder: ["gpu_check.py", *DRY, "--nproc=2", f"--out_dir={folder / 'out-gpu-check'}"]}
+
+
+def test_dry_run_passes_every_check_and_refuses_to_write_over_it(early):
+    result, tmp_path = early
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert lines[0].startswith("gpu_check: config/paper_small.py R=3 (dry: tiny model), float32, on cpu")

@@ -175,11 +175,17 @@ def test_depth_mode_tables_best_rates_test_time_depth_and_plot(tmp_path):
     assert (out / "depth.png").stat().st_size > 10000
 
 
-def test_a_tiny_real_sweep_records_kappa_and_resumes(tmp_path):
-    out = tmp_path / "real"
-    args = [f"--out_dir={out}", "--mode=loops", "--schemes=deeploop,preln", "--loops=1,2", "--seeds=0",
-            "--max_iters=4", "--warmup_iters=1", "--eval_iters=2", "--n_embd=32", "--block_size=32"]
-    r = sweep(*args)
+TINY_REAL = ["--mode=loops", "--schemes=deeploop,preln", "--loops=1,2", "--seeds=0", "--max_iters=4",
+             "--warmup_iters=1", "--eval_iters=2", "--n_embd=32", "--block_size=32"]
+# started with the session (conftest.py): its four train.py processes take ~10 s
+EARLY = {"test_a_tiny_real_sweep_records_kappa_and_resumes":
+         lambda folder: ["sweep.py", f"--out_dir={folder / 'real'}", *TINY_REAL]}
+
+
+def test_a_tiny_real_sweep_records_kappa_and_resumes(early):
+    r, folder = early
+    out = folder / "real"
+    args = [f"--out_dir={out}", *TINY_REAL]
     assert r.returncode == 0, r.stderr
     result = json.loads((out / "runs" / "deeploop_R2_p0_lr0.001_seed0" / "result.json").read_text())
     assert result["n_loop"] == 2 and result["exponent"] == 0 and 0 <= result["kappa"] <= 2
