@@ -65,9 +65,11 @@ def test_bench_prints_throughput_mfu_and_generation_speed_for_both_depths():
     assert float(m.group(1)) == pytest.approx(found[0][1][0] / found[1][1][0], rel=0.01)  # the ratio of the lines
 
 
-# started with the session (conftest.py): compiling takes ~20 s
+# started with the session (conftest.py): compiling takes 5-20 s
 EARLY = {"test_compiled_depths_with_generation_stay_within_the_recompile_limit": lambda folder: [
-    "bench.py", *TINY, "--compare_depths=True", "--compile=True", "--compile_backend=eager", "--dtype=float32"]}
+    "bench.py", *TINY, "--compare_depths=True", "--compile=True", "--compile_backend=eager", "--dtype=float32"],
+    "test_compare_dtypes_prints_three_rows_and_their_ratios": lambda folder: [
+    "bench.py", *TINY, "--compare_dtypes=True", "--compile_backend=eager", "--gen_tokens=0", "--warmup_steps=0"]}
 
 
 def test_compiled_depths_with_generation_stay_within_the_recompile_limit(early):
@@ -83,8 +85,8 @@ def test_compiled_depths_with_generation_stay_within_the_recompile_limit(early):
     assert m and 8 < int(m.group(1)) <= int(m.group(2)), lines[-1]
 
 
-def test_compare_dtypes_prints_three_rows_and_their_ratios():
-    result = bench("--compare_dtypes=True", "--compile_backend=eager", "--gen_tokens=0", "--warmup_steps=0")
+def test_compare_dtypes_prints_three_rows_and_their_ratios(early):
+    result, _ = early
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     models = [re.fullmatch(MODEL, line) for line in lines if line.startswith("model: ")]

@@ -14,9 +14,16 @@ def gpu_check(cwd, *args):
     return run_script("gpu_check.py", *DRY, *args, cwd=cwd)  # its runs of train.py and torchrun are subprocesses
 
 
-# started with the session (conftest.py): its train.py, bench.py and torchrun processes take ~30 s
+def broken_config(folder):
+    (folder / "broken.py").write_text('residual = "deepnet"\n')
+    return ["gpu_check.py", *DRY, f"--config_file={folder / 'broken.py'}", "--nproc=1",
+            f"--out_dir={folder / 'out-gpu-check'}"]
+
+
+# started with the session (conftest.py): their train.py, bench.py and torchrun processes take 5-30 s
 EARLY = {"test_dry_run_passes_every_check_and_refuses_to_write_over_it":
-         lambda folder: ["gpu_check.py", *DRY, "--nproc=2", f"--out_dir={folder / 'out-gpu-check'}"]}
+         lambda folder: ["gpu_check.py", *DRY, "--nproc=2", f"--out_dir={folder / 'out-gpu-check'}"],
+         "test_a_failing_check_fails_the_script_and_the_checks_that_need_it": broken_config}
 
 
 def test_dry_run_passes_every_check_and_refuses_to_write_over_it(early):
@@ -48,9 +55,8 @@ def test_dry_run_passes_every_check_and_refuses_to_write_over_it(early):
                                          "does not write over earlier runs)"]
 
 
-def test_a_failing_check_fails_the_script_and_the_checks_that_need_it(tmp_path):
-    (tmp_path / "broken.py").write_text('residual = "deepnet"\n')
-    result = gpu_check(tmp_path, "--config_file=broken.py", "--nproc=1")
+def test_a_failing_check_fails_the_script_and_the_checks_that_need_it(early):
+    result, _ = early
     assert result.returncode == 1
     rows = result.stdout.splitlines()[2:]
     assert rows == ["train     FAIL  exit code 2",
