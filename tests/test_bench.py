@@ -1,14 +1,9 @@
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from scripts import run_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, OMP_NUM_THREADS="1")  # one thread: see tests/test_sample.py
 NUM = r"([0-9.]+)"
 TINY = ["--n_layer=1", "--n_loop=3", "--n_head=2", "--n_embd=32", "--block_size=32", "--vocab_size=128",
         "--batch_size=2", "--warmup_steps=1", "--timed_steps=3", "--gen_tokens=8", "--gen_prompt_len=4", "--device=cpu"]
@@ -21,11 +16,9 @@ GENERATE = rf"generate: 8 new tokens x (\d) sequences?: cached {NUM} ms/step \({
 
 
 def bench(*args):
-    """bench.py here, or in a process of its own when it compiles (dynamo's caches and limits would outlive it)"""
-    if not any(a.startswith("--compile=True") or a.startswith("--compare_dtypes") for a in args):
-        return run_script("bench.py", *TINY, *args)
-    return subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), *TINY, *args], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=300)
+    """bench.py in this process; the runs that compile are EARLY below, in processes of their own (dynamo's caches
+    and limits would outlive them here)"""
+    return run_script("bench.py", *TINY, *args)
 
 
 def rows(lines):
