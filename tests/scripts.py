@@ -21,6 +21,24 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def execute(path, namespace):
+    """Run the script at path in namespace -> the exit code python would end with: a sys.exit argument that is not
+    a number printed to stderr (code 1), an uncaught exception's traceback printed (code 1)."""
+    with open(path) as f:
+        source = compile(f.read(), path, "exec")
+    try:
+        exec(source, namespace)
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    except Exception:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
 def run_script(script, *args, cwd=ROOT, env=None):
     """python <script> <args> in cwd, here -> subprocess.CompletedProcess (returncode, stdout, stderr), as
     subprocess.run(..., capture_output=True, text=True) gives it. env: variables set for the run, then put back."""
@@ -31,23 +49,12 @@ def run_script(script, *args, cwd=ROOT, env=None):
     # the script's globals: kept here so that what it leaves open (train.py's lock file) is closed below, also
     # when it ends by sys.exit
     namespace = {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__}
-    code = 0
     try:
         os.chdir(cwd)
         sys.argv = [path, *map(str, args)]
         os.environ.update(env or {})
-        with open(path) as f:
-            source = compile(f.read(), path, "exec")
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                exec(source, namespace)
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-                if e.code is not None and not isinstance(e.code, int):
-                    print(e.code, file=sys.stderr)
-            except Exception:
-                traceback.print_exc()
-                code = 1
+            code = execute(path, namespace)
     finally:
         lock_file = namespace.get("lock_file")
         if lock_file is not None and hasattr(lock_file, "close"):
@@ -83,12 +90,7 @@ class Started:
             sys.argv = [path, *map(str, args)]
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as in a new python until the script sets its own
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            with open(path) as f:
-                source = compile(f.read(), path, "exec")
-            exec(source, {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__})
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            code = execute(path, {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__})
         except BaseException:
             traceback.print_exc()
         finally:
