@@ -9,10 +9,12 @@ is measured here is exactly what train.py does. Three modes share the runs, the 
     python sweep.py --mode=loops --schemes=preln,deeploop,deepnorm,postln --seeds=0   # any grid, by override
     python sweep.py --mode=depth      # where depth is the bottleneck: accuracy by k on pointer chains (tasks.py)
 
-The depth mode is apart from the other three: its runs train config/depth_cpu.py on a smaller budget (DEPTH_BUDGET;
+The depth mode is apart from the other three: its runs train config/depth_cpu.py on a smaller budget (BUDGETS;
 the settings of the model and the budget given to sweep.py on the command line override both), scheme `untied` is
 the control with n_layer * R blocks run once (Pre-LN, R times the parameters), and its results are accuracy by k
-instead of loss; see the end of the file and docs/depth_task.md.
+instead of loss; see the end of the file and docs/depth_task.md. The transfer mode runs on the depth task too:
+
+    python sweep.py --mode=transfer --dataset=chains   # best rates by accuracy at the hardest k, not by val loss
 
 Each mode runs every combination of its schemes x loops x exponents x learning_rates x seeds (an empty setting takes
 the mode's default, MODES below) and writes out_dir/results.md (tables), out_dir/<mode>.png (its plot) and
@@ -85,10 +87,14 @@ MODES = {
     "depth": dict(schemes="preln,deeploop,deepnorm,untied", loops="1,2,4,8", exponents="0",
                   learning_rates="1e-3,3e-3", seeds="0,1,2"),
 }
-DEPTH_CONFIG = "config/depth_cpu.py"  # what every run of the depth mode trains, before the grid's settings
-# ... and on a smaller budget than the config's 1,500 x 64 sequences, so that the 90 runs of the grid fit 30 minutes
-# on 2 cores (at 600 steps they took 32; see docs/depth_task.md); the command line overrides it
-DEPTH_BUDGET = dict(batch_size=32, max_iters=500, warmup_iters=100)
+DEPTH_CONFIG = "config/depth_cpu.py"  # what every run on the depth task (--dataset=chains) trains, before the grid
+# Budgets of their own, where a mode's grid would not fit its time on 2 cores with the settings above (the depth task:
+# config/depth_cpu.py's 1,500 x 64 sequences); settings given on the command line override them.
+BUDGETS = {
+    "transfer": dict(batch_size=4, max_iters=300),  # 288 runs in ~40 min (400 x 8 would take ~80)
+    "depth": dict(batch_size=32, max_iters=500, warmup_iters=100),  # 90 runs in 27 min (at 600 steps: 32)
+    "transfer on chains": dict(batch_size=32, max_iters=200, warmup_iters=50),  # 288 runs in ~40 min
+}
 MODEL_AND_BUDGET = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "max_iters", "warmup_iters",
                     "eval_iters")
 # Appendix C of the paper: runs out of 5 (GPT-2 small, R = 3, ~2,700 steps) that escaped the unigram floor
@@ -97,9 +103,15 @@ PAPER_ESCAPED = {0.30: 0, 0.35: 1, 0.40: 2, 0.45: 2, 0.50: 3, 0.55: 5, 0.60: 5}
 if mode not in MODES:
     die(f"unknown mode {mode!r}; use --mode=exponent, --mode=lr, --mode=loops, --mode=transfer or "
         f"--mode=depth")
-out_dir = out_dir or f"out-sweep-{mode}"
-depth_budget = dict(DEPTH_BUDGET, **{k: config[k] for k in MODEL_AND_BUDGET
-                                     if any(a.startswith(f"--{k}=") for a in sys.argv[1:])})
+on_chains = mode == "depth" or dataset == "chains"  # the depth task (tasks.py): accuracy by k, not loss
+if on_chains and mode not in ("depth", "transfer"):
+    die(f"--dataset=chains (the depth task) applies to --mode=depth and --mode=transfer, not --mode={mode}; "
+        f"use a text dataset such as builtin_bytes")
+out_dir = out_dir or f"out-sweep-{mode}" + ("-chains" if mode == "transfer" and on_chains else "")
+given = {k: config[k] for k in MODEL_AND_BUDGET if any(a.startswith(f"--{k}=") for a in sys.argv[1:])}
+mode_budget = dict(BUDGETS.get(mode + (" on chains" if mode == "transfer" and on_chains else ""), {}), **given)
+if not on_chains:
+    globals().update(mode_budget)  # the model and budget settings above, as every run of this sweep gets them
 
 
 def number_list(name, kind):
@@ -130,8 +142,19 @@ def unigram_floor(data_dir):
     return float(-(p * np.log(p)).sum())
 
 
+def score(run):
+    """What a finished run is ranked by: its final val loss (lower is better) or, on the depth task, its val accuracy
+    at the hardest k (higher is better); None for a diverged run."""
+    if on_chains:
+        return run["accuracy"][hardest] if run["accuracy"] else None
+    return run["val_loss"]
+
+
 def escaped(run):
-    return run["val_loss"] is not None and run["val_loss"] < floor - escape_margin
+    """Below the unigram floor by escape_margin; on the depth task: above the best shortcut at the hardest k."""
+    if score(run) is None:
+        return False
+    return score(run) > shortcut[hardest] if on_chains else score(run) < floor - escape_margin
 
 
 def train(scheme, n_loop, exponent, lr, seed):
@@ -142,10 +165,10 @@ def train(scheme, n_loop, exponent, lr, seed):
     if os.path.isfile(result_path):
         with open(result_path) as f:
             return json.load(f)
-    if mode == "depth":
+    if on_chains:
         # the untied control: the same unrolled depth as R loops over n_layer blocks, every block its own
         untied = scheme == "untied"
-        args = dict(depth_budget, out_dir=run_dir, residual="preln" if untied else scheme, residual_exponent=exponent,
+        args = dict(mode_budget, out_dir=run_dir, residual="preln" if untied else scheme, residual_exponent=exponent,
                     n_layer=n_layer * n_loop if untied else n_layer, n_loop=1 if untied else n_loop,
                     learning_rate=lr, min_lr=lr / 10, seed=seed, device="cpu", dtype=run_dtype, compile=False)
         args.update(lr_decay_iters=args["max_iters"], eval_interval=args["max_iters"])
@@ -172,19 +195,19 @@ def train(scheme, n_loop, exponent, lr, seed):
                   seconds=time.time() - t0, val_loss=final["val_loss"] if final else None,
                   kappa=sum(kappa) / len(kappa) if kappa else None,  # mean over the physical blocks
                   curve=[(r["iter"], r["loss"]) for r in records if r["type"] == "train"])
-    if mode == "depth":
+    if on_chains:
         result.update(depth_result(run_dir, records, final))
     with open(result_path, "w") as f:
         json.dump(result, f)
     status = "diverged" if final is None else f"val {result['val_loss']:.4f} kappa {result['kappa']:.2f}"
-    if mode == "depth" and final:
+    if on_chains and final:
         status = f"accuracy {mean_over_k(result['accuracy']):.3f} kappa {result['kappa']:.2f}"
     print(f"{name:40s} {status:>24s}  ({result['seconds']:.0f} s)", flush=True)
     return result
 
 
 def depth_result(run_dir, records, final):
-    """The depth mode's figures of a finished run: val accuracy by k at the end, the best shortcut by k, and the
+    """A depth-task run's figures: val accuracy by k at the end, the best shortcut by k, and (depth mode) the
     accuracy by k at other loop counts (test-time depth: each of the sweep's loop counts, and twice the largest)."""
     import torch
     from model import GPT
@@ -193,7 +216,7 @@ def depth_result(run_dir, records, final):
     start = [r for r in records if r["type"] == "start"][-1]
     result = dict(accuracy=final["accuracy"] if final else None, shortcut=best_shortcut(start["shortcuts"]),
                   test_time={})
-    if final and start["config"]["n_layer"] == n_layer:  # not the untied control
+    if final and mode == "depth" and start["config"]["n_layer"] == n_layer:  # not the untied control
         torch.set_num_threads(1)
         model, checkpoint = GPT.from_checkpoint(os.path.join(run_dir, "ckpt.pt"))
         task = make_task(checkpoint["config"], "val", EVAL_SEED)
@@ -245,7 +268,7 @@ def sweep_dtype():
 t_start = time.time()
 run_dtype, dtype_reason = sweep_dtype()
 print(f"dtype {run_dtype} for every run: {dtype_reason}")
-if mode != "depth":
+if not on_chains:
     data_dir = prepare_builtin_if_missing(dataset)  # once, here: parallel runs must not all start preparing it
     floor = unigram_floor(data_dir)
     unit = "byte" if load_meta(data_dir)["tokenizer"] == "bytes" else "token"
@@ -254,8 +277,8 @@ if mode != "depth":
 grid = [(s, r, p, lr, seed) for s in scheme_list for r in loop_list for p in exponent_list for lr in lr_list
         for seed in seed_list if (s, r) != ("untied", 1)]  # untied at R = 1 is Pre-LN at R = 1
 jobs = sorted(grid, key=lambda job: -job[1])  # the deepest runs first: the last minutes are not one run on one core
-if mode == "depth":
-    budget = f"{DEPTH_CONFIG} with " + ", ".join(f"{k}={v}" for k, v in depth_budget.items())
+if on_chains:
+    budget = f"{DEPTH_CONFIG} with " + ", ".join(f"{k}={v}" for k, v in mode_budget.items())
 else:
     budget = f"{max_iters * batch_size * block_size:,} tokens"
 print(f"{mode} sweep: {len(grid)} runs of {budget}, {workers} at a time, into {out_dir}/runs", flush=True)
@@ -270,6 +293,9 @@ run_minutes = sum(run["seconds"] for run in results.values()) / 60
 groups = {}  # (scheme, R, p, lr) -> its runs, one per seed
 for (s, r, p, lr, seed), run in sorted(results.items()):
     groups.setdefault((s, r, p, lr), []).append(run)
+if on_chains:
+    shortcut = next(run["shortcut"] for run in results.values())  # accuracy by k of the best guess without the chains
+    hardest = max(shortcut, key=int)
 
 if mode == "depth":
     # -------------------------------------------------------------------------------------------------------------
@@ -283,9 +309,7 @@ if mode == "depth":
         return "—" if stat is None else f"{stat[0]:.2f} ± {stat[1]:.2f}"
 
     done = {key: [run for run in runs if run["accuracy"]] for key, runs in groups.items()}
-    shortcut = next(run["shortcut"] for run in results.values())
     ks = sorted(shortcut, key=int)
-    hardest = ks[-1]
     best_lr = {}  # (scheme, R, p) -> the rate with the highest mean accuracy over k and seeds; none with a diverged run
     for (s, r, p, lr), runs in groups.items():
         if len(done[s, r, p, lr]) == len(runs):
@@ -381,44 +405,54 @@ if mode == "depth":
 
 
 def summary(runs):
-    """escaped count, final val loss of all finished runs and of the escaped ones, kappa_R of the finished runs"""
-    done = [run for run in runs if run["val_loss"] is not None]
+    """escaped count, score (final val loss, or accuracy at the hardest k) of all finished runs and of the escaped
+    ones, kappa_R of the finished runs"""
+    done = [run for run in runs if score(run) is not None]
     return dict(escaped=sum(map(escaped, runs)), runs=len(runs), diverged=len(runs) - len(done),
-                loss=mean_std([run["val_loss"] for run in done]),
-                escaped_loss=mean_std([run["val_loss"] for run in runs if escaped(run)]),
+                score=mean_std([score(run) for run in done]),
+                escaped_score=mean_std([score(run) for run in runs if escaped(run)]),
                 kappa=mean_std([run["kappa"] for run in done]))
 
 
 stats = {key: summary(runs) for key, runs in groups.items()}
+sign = -1 if on_chains else 1  # best = lowest sign * score
+what, escape_word = (f"accuracy k={hardest}", "above shortcut") if on_chains else ("val loss", "escaped")
 tokens = max_iters * batch_size * block_size
-lines = [f"# sweep.py --mode={mode}", "",
-         f"Final val loss in nats per {unit} after {tokens:,} training tokens ({max_iters} steps of {batch_size}x"
-         f"{block_size}, warmup {warmup_iters}, cosine to lr/10), {n_layer} physical blocks of width {n_embd}, "
-         f"data/{dataset}, seeds {','.join(map(str, seed_list))}; mean ± std over seeds. Unigram floor "
-         f"{floor:.4f} (entropy of the training split's {unit} frequencies); *escaped* = final val loss below "
-         f"{floor - escape_margin:.4f} (floor - {escape_margin}). kappa_R: visit alignment at the end of training, "
-         f"mean over the physical blocks (1 = visits decorrelated, R = fully aligned).", "",
-         "| scheme | R | p | lr | escaped | val loss (all) | val loss (escaped) | kappa_R |",
+if on_chains:
+    setting = (f"Val accuracy at the hardest k = {hardest} (the pointers to follow) on the task of {budget} "
+               f"(tasks.py), {n_layer} physical blocks looped R times, seeds {','.join(map(str, seed_list))}; mean ± "
+               f"std over seeds. *above shortcut* = better than the best guess that does not follow the chains "
+               f"({shortcut[hardest]:.2f} at k = {hardest}; chance is 1/chain_values).")
+else:
+    setting = (f"Final val loss in nats per {unit} after {tokens:,} training tokens ({max_iters} steps of "
+               f"{batch_size}x{block_size}, warmup {warmup_iters}, cosine to lr/10), {n_layer} physical blocks of width "
+               f"{n_embd}, data/{dataset}, seeds {','.join(map(str, seed_list))}; mean ± std over seeds. Unigram floor "
+               f"{floor:.4f} (entropy of the training split's {unit} frequencies); *escaped* = final val loss below "
+               f"{floor - escape_margin:.4f} (floor - {escape_margin}).")
+lines = [f"# sweep.py --mode={mode}" + (" --dataset=chains" if on_chains else ""), "",
+         setting + " kappa_R: visit alignment at the end of training, mean over the physical blocks (1 = visits "
+                   "decorrelated, R = fully aligned).", "",
+         f"| scheme | R | p | lr | {escape_word} | {what} (all) | {what} ({escape_word}) | kappa_R |",
          "|---|---|---|---|---|---|---|---|"]
 for (s, r, p, lr), st in stats.items():
     p_text = f"{p or OWN_EXPONENT[s]:g}" if s in OWN_EXPONENT else "—"
     diverged = f" ({st['diverged']} diverged)" if st["diverged"] else ""
-    lines.append(f"| {s} | {r} | {p_text} | {lr:g} | {st['escaped']}/{st['runs']}{diverged} | {fmt(st['loss'])} | "
-                 f"{fmt(st['escaped_loss'])} | {fmt(st['kappa'], 2)} |")
-
+    lines.append(f"| {s} | {r} | {p_text} | {lr:g} | {st['escaped']}/{st['runs']}{diverged} | {fmt(st['score'])} | "
+                 f"{fmt(st['escaped_score'])} | {fmt(st['kappa'], 2)} |")
 
 
 def best_rate(s, r, p):
-    """The rate with the lowest mean final loss over all seeds, or None; a rate where any run diverged is not
-    eligible."""
-    eligible = [(stats[s, r, p, lr]["loss"][0], lr) for lr in lr_list
-                if stats[s, r, p, lr]["loss"] and not stats[s, r, p, lr]["diverged"]]
+    """The rate with the best mean score over all seeds (lowest loss, highest accuracy), or None; a rate where any
+    run diverged is not eligible. A tie goes to the lowest rate."""
+    eligible = [(sign * stats[s, r, p, lr]["score"][0], lr) for lr in lr_list
+                if stats[s, r, p, lr]["score"] and not stats[s, r, p, lr]["diverged"]]
     return min(eligible)[1] if eligible else None
 
 
 if mode in ("lr", "transfer"):
-    lines += ["", "Each scheme at its best learning rate (lowest mean final val loss over all seeds):", "",
-              "| scheme | R | best lr | val loss | escaped |", "|---|---|---|---|---|"]
+    lines += ["", f"Each scheme at its best learning rate ({'highest' if on_chains else 'lowest'} mean {what} over "
+                  f"all seeds):", "",
+              f"| scheme | R | best lr | {what} | {escape_word} |", "|---|---|---|---|---|"]
     for s in scheme_list:
         for p in exponent_list:
             for r in loop_list:
@@ -428,7 +462,7 @@ if mode in ("lr", "transfer"):
                     continue
                 edge = " (grid edge)" if len(lr_list) > 1 and lr in (min(lr_list), max(lr_list)) else ""
                 best = stats[s, r, p, lr]
-                lines.append(f"| {scheme_label(s, p)} | {r} | {lr:g}{edge} | {fmt(best['loss'])} | "
+                lines.append(f"| {scheme_label(s, p)} | {r} | {lr:g}{edge} | {fmt(best['score'])} | "
                              f"{best['escaped']}/{best['runs']} |")
 if mode == "transfer":
     # how far each scheme's best rate moves across the loop counts, in factors of 2 of the grid, and which scheme
@@ -444,9 +478,9 @@ if mode == "transfer":
                                                                     for r, lr in rates.items()) + f": {spread}")
     lines += ["", "Best scheme at each R, each at its own best rate:", ""]
     for r in loop_list:
-        ranked = sorted((stats[s, r, p, lr]["loss"][0], scheme_label(s, p), lr) for s in scheme_list
+        ranked = sorted((sign * stats[s, r, p, lr]["score"][0], scheme_label(s, p), lr) for s in scheme_list
                         for p in exponent_list for lr in [best_rate(s, r, p)] if lr is not None)
-        lines.append(f"- R={r}: " + ", ".join(f"{label} {loss:.4f} (lr {lr:g})" for loss, label, lr in ranked))
+        lines.append(f"- R={r}: " + ", ".join(f"{label} {sign * v:.4f} (lr {lr:g})" for v, label, lr in ranked))
 if mode == "loops":
     lines += ["", "Final val loss by loop count (the paper's Table 1 layout):", "",
               "| scheme | " + " | ".join(f"R={r} (N={n_layer * r})" for r in loop_list) + " |",
@@ -458,7 +492,7 @@ if mode == "loops":
                 for r in loop_list:
                     st = stats[s, r, p, lr]
                     stalled = st["runs"] - st["escaped"]
-                    cells.append(fmt(st["loss"]) + (f" ({stalled} of {st['runs']} stalled)" if stalled else ""))
+                    cells.append(fmt(st["score"]) + (f" ({stalled} of {st['runs']} stalled)" if stalled else ""))
                 label = scheme_label(s, p) + (f" lr {lr:g}" if len(lr_list) > 1 else "")
                 lines.append(f"| {label} | " + " | ".join(cells) + " |")
 lines += ["", f"Sweep time: {minutes:.1f} min wall with {workers} worker(s), {run_minutes:.1f} min summed over the "
@@ -481,22 +515,23 @@ except ImportError:
     sys.exit(0)
 
 # every run's training loss: the escape line must fall between the runs that stall and those that learn more
-fig, ax = plt.subplots(figsize=(6, 4))
-for run in results.values():
-    if run["curve"]:
-        iters, losses = zip(*run["curve"])
-        ax.plot(iters, losses, color="tab:blue" if escaped(run) else "tab:red", alpha=0.4, lw=0.8)
-ax.axhline(floor, color="black", ls="--", lw=1, label=f"unigram floor {floor:.3f}")
-ax.axhline(floor - escape_margin, color="gray", ls=":", lw=1, label=f"escape line {floor - escape_margin:.3f}")
-ax.plot([], [], color="tab:blue", label="escaped (final val loss)")
-ax.plot([], [], color="tab:red", label="stalled or diverged")
-ax.set_ylim(floor - 1.0, floor + 0.6)
-ax.set_xlabel("step")
-ax.set_ylabel("training loss")
-ax.set_title(f"{mode} sweep: every run's training loss")
-ax.legend(fontsize=8)
-fig.tight_layout()
-fig.savefig(os.path.join(out_dir, "curves.png"), dpi=110)
+if not on_chains:  # the depth task has no unigram floor to draw
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for run in results.values():
+        if run["curve"]:
+            iters, losses = zip(*run["curve"])
+            ax.plot(iters, losses, color="tab:blue" if escaped(run) else "tab:red", alpha=0.4, lw=0.8)
+    ax.axhline(floor, color="black", ls="--", lw=1, label=f"unigram floor {floor:.3f}")
+    ax.axhline(floor - escape_margin, color="gray", ls=":", lw=1, label=f"escape line {floor - escape_margin:.3f}")
+    ax.plot([], [], color="tab:blue", label="escaped (final val loss)")
+    ax.plot([], [], color="tab:red", label="stalled or diverged")
+    ax.set_ylim(floor - 1.0, floor + 0.6)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(f"{mode} sweep: every run's training loss")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "curves.png"), dpi=110)
 
 fig, ax = plt.subplots(figsize=(6.5, 4))
 if mode == "exponent":
@@ -516,8 +551,8 @@ if mode == "exponent":
     for s in scheme_list:
         for r in loop_list:
             for lr in lr_list:
-                points = [(p or OWN_EXPONENT[s], *stats[s, r, p, lr]["escaped_loss"])
-                          for p in exponent_list if stats[s, r, p, lr]["escaped_loss"]]
+                points = [(p or OWN_EXPONENT[s], *stats[s, r, p, lr]["escaped_score"])
+                          for p in exponent_list if stats[s, r, p, lr]["escaped_score"]]
                 if points:
                     xs, ms, sd = zip(*points)
                     loss_ax.errorbar(xs, ms, yerr=sd, color="tab:green", marker="^", ls=":", capsize=2,
@@ -530,7 +565,7 @@ elif mode == "lr":
     for s in scheme_list:
         for p in exponent_list:
             for r, style in zip(loop_list, ("-", "--", ":", "-.") * len(loop_list)):
-                points = [(lr, *stats[s, r, p, lr]["loss"]) for lr in lr_list if stats[s, r, p, lr]["loss"]]
+                points = [(lr, *stats[s, r, p, lr]["score"]) for lr in lr_list if stats[s, r, p, lr]["score"]]
                 if points:
                     xs, ms, sd = zip(*points)
                     ax.errorbar(xs, ms, yerr=sd, marker="o", ls=style, capsize=3, label=f"{scheme_label(s, p)} R={r}",
@@ -547,23 +582,23 @@ elif mode == "transfer":  # one panel per scheme, one line per R: a best rate th
     fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.8), sharey=True, squeeze=False)
     for (s, p), ax in zip(panels, axes[0]):
         for r in loop_list:
-            points = [(lr, *stats[s, r, p, lr]["loss"]) for lr in lr_list if stats[s, r, p, lr]["loss"]]
+            points = [(lr, *stats[s, r, p, lr]["score"]) for lr in lr_list if stats[s, r, p, lr]["score"]]
             if points:
                 xs, ms, sd = zip(*points)
                 ax.errorbar(xs, ms, yerr=sd, marker="o", capsize=2, label=f"R={r}")
-        ax.axhline(floor, color="black", ls="--", lw=1)
+        ax.axhline(shortcut[hardest] if on_chains else floor, color="black", ls="--", lw=1)  # the shortcut / floor
         ax.set_xscale("log")
         ax.set_xticks(lr_list, [f"{lr:g}" for lr in lr_list], rotation=45, fontsize=7)
         ax.minorticks_off()
         ax.set_xlabel("peak learning rate")
         ax.set_title(scheme_label(s, p))
-    axes[0][0].set_ylabel("final val loss (mean ± std over seeds)")
+    axes[0][0].set_ylabel((f"val accuracy at k = {hardest}" if on_chains else "final val loss") + " (mean ± std)")
     axes[0][0].legend(fontsize=8)
 else:
     for s in scheme_list:
         for p in exponent_list:
             for lr in lr_list:
-                points = [(r, *stats[s, r, p, lr]["loss"]) for r in loop_list if stats[s, r, p, lr]["loss"]]
+                points = [(r, *stats[s, r, p, lr]["score"]) for r in loop_list if stats[s, r, p, lr]["score"]]
                 if points:
                     xs, ms, sd = zip(*points)
                     ax.errorbar(xs, ms, yerr=sd, marker="o", capsize=3, label=scheme_label(s, p))
@@ -574,5 +609,5 @@ else:
     ax.legend(fontsize=8)
 fig.tight_layout()
 fig.savefig(os.path.join(out_dir, f"{mode}.png"), dpi=110)
-print(f"plots: {os.path.join(out_dir, mode + '.png')}, {os.path.join(out_dir, 'curves.png')}")
+print("plots: " + ", ".join(os.path.join(out_dir, name) for name in [f"{mode}.png"] + ["curves.png"] * (not on_chains)))
 print(f"sweep took {minutes:.1f} min")

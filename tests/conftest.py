@@ -1,8 +1,11 @@
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -24,42 +27,67 @@ tqdm.monitor_interval = 0
 
 
 # Runs started when the session starts. The suite runs in this one process, on one core; the few runs that need
-# processes of their own for 10-30 s (gpu_check's dry run, a compiled bench, a real sweep) start at once on the other
-# core, and their tests collect the results when they come to them. A test file lists its own: EARLY = {test name:
-# function of a private folder -> the command line after `python`, run in the repo's root}.
-_early = {}  # node id -> (Popen, its folder, stdout file, stderr file)
+# processes of their own for 10-30 s (gpu_check's dry run, compiled runs, a real sweep) run one after another on the
+# other core meanwhile, and their tests, moved to the end of the session, collect the results. A test file lists its
+# own: EARLY = {test name: function of a private folder -> the command lines after `python`, run in the repo's root
+# one after another until one fails}.
+_RUNNER = """
+import json, os, subprocess, sys
+for folder, commands in json.loads(sys.argv[1]):
+    with open(os.path.join(folder, "stdout.txt"), "w") as out, open(os.path.join(folder, "stderr.txt"), "w") as err:
+        for command in commands:
+            returncode = subprocess.run([sys.executable, *command], stdout=out, stderr=err).returncode
+            if returncode:
+                break
+    with open(os.path.join(folder, "returncode.part"), "w") as f:
+        f.write(str(returncode))
+    os.replace(os.path.join(folder, "returncode.part"), os.path.join(folder, "returncode"))
+"""
+_early = {}  # node id -> (its folder, its command lines)
+_runner = []  # the process that runs them
+
+
+def _early_commands(item):
+    return getattr(item.module, "EARLY", {}).get(item.name)
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: _early_commands(item) is not None)  # stable: the tests that wait for a run go last
 
 
 def pytest_collection_finish(session):
-    starts = [(item.nodeid, getattr(item.module, "EARLY", {}).get(item.name)) for item in session.items]
-    starts = [(nodeid, command) for nodeid, command in starts if command]
-    if starts:
+    for item in session.items:
+        if _early_commands(item):
+            folder = Path(tempfile.mkdtemp(prefix="deeploop-early-"))
+            _early[item.nodeid] = (folder, _early_commands(item)(folder))
+    if _early:
         from prepare_data import prepare_builtin_if_missing
         cwd = os.getcwd()
         os.chdir(ROOT)
         prepare_builtin_if_missing("builtin_bytes")  # here, once: the runs below would all start preparing it
         os.chdir(cwd)
-    for nodeid, command in starts:
-        folder = Path(tempfile.mkdtemp(prefix="deeploop-early-"))
-        out, err = open(folder / "stdout.txt", "w+"), open(folder / "stderr.txt", "w+")
-        proc = subprocess.Popen([sys.executable, *command(folder)], cwd=ROOT, stdout=out, stderr=err, text=True)
-        _early[nodeid] = (proc, folder, out, err)
+        jobs = json.dumps([(str(folder), [[str(arg) for arg in command] for command in commands])
+                           for folder, commands in _early.values()])
+        _runner.append(subprocess.Popen([sys.executable, "-c", _RUNNER, jobs], cwd=ROOT, start_new_session=True))
 
 
 @pytest.fixture
 def early(request):
-    """(this test's EARLY run as subprocess.run returns it, the run's private folder), once the run has ended."""
-    proc, folder, out, err = _early[request.node.nodeid]
-    proc.wait(timeout=600)
-    out.seek(0)
-    err.seek(0)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read()), folder
+    """(this test's EARLY runs as subprocess.run returns them: the last one's exit code, everything they wrote; the
+    runs' private folder), once the runs have ended."""
+    folder, commands = _early[request.node.nodeid]
+    deadline = time.monotonic() + 600
+    while not (folder / "returncode").exists():
+        assert _runner[0].poll() is None, f"the session's runner of EARLY runs ended with {_runner[0].returncode}"
+        assert time.monotonic() < deadline, "EARLY runs still running after 10 minutes"
+        time.sleep(0.05)
+    return subprocess.CompletedProcess(commands, int((folder / "returncode").read_text()),
+                                       (folder / "stdout.txt").read_text(), (folder / "stderr.txt").read_text()), folder
 
 
 def pytest_sessionfinish(session):
-    for proc, folder, out, err in _early.values():
-        proc.kill()
-        proc.wait()
-        out.close()
-        err.close()
+    for runner in _runner:
+        os.killpg(runner.pid, signal.SIGKILL)  # the runner and the run it is at, if the session ends first
+        runner.wait()
+    for folder, _ in _early.values():
         shutil.rmtree(folder, ignore_errors=True)

@@ -59,10 +59,10 @@ def test_bench_prints_throughput_mfu_and_generation_speed_for_both_depths():
 
 
 # started with the session (conftest.py): compiling takes 5-20 s
-EARLY = {"test_compiled_depths_with_generation_stay_within_the_recompile_limit": lambda folder: [
-    "bench.py", *TINY, "--compare_depths=True", "--compile=True", "--compile_backend=eager", "--dtype=float32"],
-    "test_compare_dtypes_prints_three_rows_and_their_ratios": lambda folder: [
-    "bench.py", *TINY, "--compare_dtypes=True", "--compile_backend=eager", "--gen_tokens=0", "--warmup_steps=0"]}
+EARLY = {"test_compiled_depths_with_generation_stay_within_the_recompile_limit": lambda folder: [[
+    "bench.py", *TINY, "--compare_depths=True", "--compile=True", "--compile_backend=eager", "--dtype=float32"]],
+    "test_compare_dtypes_prints_three_rows_and_their_ratios": lambda folder: [[
+    "bench.py", *TINY, "--compare_dtypes=True", "--compile_backend=eager", "--gen_tokens=0", "--warmup_steps=0"]]}
 
 
 def test_compiled_depths_with_generation_stay_within_the_recompile_limit(early):

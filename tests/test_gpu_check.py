@@ -16,13 +16,13 @@ def gpu_check(cwd, *args):
 
 def broken_config(folder):
     (folder / "broken.py").write_text('residual = "deepnet"\n')
-    return ["gpu_check.py", *DRY, f"--config_file={folder / 'broken.py'}", "--nproc=1",
-            f"--out_dir={folder / 'out-gpu-check'}"]
+    return [["gpu_check.py", *DRY, f"--config_file={folder / 'broken.py'}", "--nproc=1",
+             f"--out_dir={folder / 'out-gpu-check'}"]]
 
 
 # started with the session (conftest.py): their train.py, bench.py and torchrun processes take 5-30 s
 EARLY = {"test_dry_run_passes_every_check_and_refuses_to_write_over_it":
-         lambda folder: ["gpu_check.py", *DRY, "--nproc=2", f"--out_dir={folder / 'out-gpu-check'}"],
+         lambda folder: [["gpu_check.py", *DRY, "--nproc=2", f"--out_dir={folder / 'out-gpu-check'}"]],
          "test_a_failing_check_fails_the_script_and_the_checks_that_need_it": broken_config}
 
 

@@ -175,11 +175,40 @@ def test_depth_mode_tables_best_rates_test_time_depth_and_plot(tmp_path):
     assert (out / "depth.png").stat().st_size > 10000
 
 
+def test_transfer_mode_on_the_depth_task_ranks_rates_by_accuracy_at_the_hardest_k(tmp_path):
+    out = tmp_path / "transfer-chains"
+    # accuracy at k = 2 (the hardest; the shortcut scores 0.25 there) by rate 1e-3, 2e-3, 4e-3; k = 1 says otherwise
+    at_k2 = {("preln", 1): [0.3, 0.5, 0.4], ("preln", 2): [0.3, 0.4, 0.6], ("deeploop", 1): [0.2, 0.2, 0.2],
+             ("deeploop", 2): [0.1, None, 0.7]}
+    write_depth_runs(out, {(s, r, lr, seed): None if v is None else (1 - v, v + seed / 10)
+                           for (s, r), vs in at_k2.items() for lr, v in zip((1e-3, 2e-3, 4e-3), vs) for seed in (0, 1)})
+    # the mode's own budget (BUDGETS), not --max_iters=0: every run exists, so nothing is trained
+    r = sweep("--mode=transfer", "--dataset=chains", f"--out_dir={out}", "--schemes=preln,deeploop", "--loops=1,2",
+              "--learning_rates=1e-3,2e-3,4e-3", "--seeds=0,1")
+    assert r.returncode == 0, r.stderr
+    assert " s)\n" not in r.stdout and "unigram floor" not in r.stdout
+    assert "288 runs" not in r.stdout and "24 runs of config/depth_cpu.py with batch_size=32, max_iters=200, " \
+                                         "warmup_iters=50" in r.stdout
+    table = (out / "results.md").read_text()
+    assert table.startswith("# sweep.py --mode=transfer --dataset=chains\n")
+    assert "| preln | 1 | — | 0.002 | 2/2 | 0.5500 ± 0.0707 | 0.5500 ± 0.0707 | 0.50 ± 0.00 |" in table
+    assert "| deeploop | 1 | 0.5 | 0.001 | 1/2 | 0.2500 ± 0.0707 | 0.3000 ± 0.0000 | 0.50 ± 0.00 |" in table
+    assert "| deeploop | 2 | 0.5 | 0.002 | 0/2 (2 diverged) | — | — | — |" in table
+    best = table.split("Each scheme at its best learning rate (highest mean accuracy k=2 over all seeds)")[1]
+    assert "| scheme | R | best lr | accuracy k=2 | above shortcut |" in best
+    assert "| preln | 2 | 0.004 (grid edge) | 0.6500 ± 0.0707 | 2/2 |" in best
+    assert "| deeploop | 1 | 0.001 (grid edge) | 0.2500 ± 0.0707 | 1/2 |" in best  # a tie: the lowest rate
+    assert "- preln: R=1 0.002, R=2 0.004: moves by a factor 2" in table
+    assert "- R=2: preln 0.6500 (lr 0.004), deeploop 0.7500 (lr 0.004)" not in table  # best first, by accuracy
+    assert "- R=2: deeploop 0.7500 (lr 0.004), preln 0.6500 (lr 0.004)" in table
+    assert (out / "transfer.png").stat().st_size > 10000 and not (out / "curves.png").exists()
+
+
 TINY_REAL = ["--mode=loops", "--schemes=deeploop,preln", "--loops=1,2", "--seeds=0", "--max_iters=4",
              "--warmup_iters=1", "--eval_iters=2", "--n_embd=32", "--block_size=32"]
 # started with the session (conftest.py): its four train.py processes take ~10 s
 EARLY = {"test_a_tiny_real_sweep_records_kappa_and_resumes":
-         lambda folder: ["sweep.py", f"--out_dir={folder / 'real'}", *TINY_REAL]}
+         lambda folder: [["sweep.py", f"--out_dir={folder / 'real'}", *TINY_REAL]]}
 
 
 def test_a_tiny_real_sweep_records_kappa_and_resumes(early):
@@ -215,6 +244,8 @@ def test_a_tiny_real_sweep_records_kappa_and_resumes(early):
                           "preln_scaled"),
     (["--mode=loops", "--schemes=untied"],
      "unknown scheme 'untied' in --schemes; use deeploop, deepnorm, postln, preln, preln_scaled"),
+    (["--mode=lr", "--dataset=chains"], "--dataset=chains (the depth task) applies to --mode=depth and "
+                                        "--mode=transfer, not --mode=lr; use a text dataset such as builtin_bytes"),
     (["--mode=lr", "--schemes=preln", "--exponents=0.3"],
      "--exponents apply to deeploop and deepnorm only, not preln; drop it from --schemes"),
 ])

@@ -635,20 +635,33 @@ def test_bfloat16_autocast_trains_the_paper_backbone_on_cpu(workdir, paper_fp32)
         records(paper_fp32, "eval")[-1]["val_loss"], rel=2e-2)
 
 
-def test_compiled_checkpoints_resume_uncompiled_and_back(workdir, paper_fp32):
+def compiled_and_eager(folder):
+    """An eager run of 4 steps, and the same 4 steps compiled, resumed eager after 2, compiled again after 3: started
+    with the session (conftest.py), on the builtin bytes, since compiling takes ~30 s"""
+    run = ["train.py", *TINY, "--dataset=builtin_bytes", "--max_iters=4", "--eval_interval=2", *PAPER]
+    compiled = f"--out_dir={folder / 'compiled'}"
+    return [[*run, f"--out_dir={folder / 'eager'}"], [*run, compiled, "--max_iters=2", "--compile=True"],
+            [*run, compiled, "--max_iters=3", "--init_from=resume"],
+            [*run, compiled, "--init_from=resume", "--compile=True"]]
+
+
+EARLY = {"test_compiled_checkpoints_resume_uncompiled_and_back": compiled_and_eager}
+
+
+def test_compiled_checkpoints_resume_uncompiled_and_back(early):
     """torch.compile on CPU (inductor): a compiled run trains like an eager one, and its checkpoint (no _orig_mod.
-    prefixes) resumes into an eager run, whose checkpoint resumes into a compiled run again. Takes ~30 s: compiling."""
-    train(workdir, "--out_dir=compiled", "--max_iters=2", "--eval_interval=2", "--compile=True", *PAPER)
-    assert not [k for k in load(workdir / "compiled")["model"] if k.startswith("_orig_mod.")]
-    train(workdir, "--out_dir=compiled", "--max_iters=3", "--eval_interval=2", "--init_from=resume", *PAPER)
-    train(workdir, "--out_dir=compiled", "--max_iters=4", "--eval_interval=2", "--init_from=resume", "--compile=True",
-          *PAPER)
-    assert load(workdir / "compiled")["iter_num"] == 4
-    eager = {r["iter"]: r["loss"] for r in records(paper_fp32, "train")}
-    mixed = {r["iter"]: r["loss"] for r in records(workdir / "compiled", "train")}
+    prefixes) resumes into an eager run, whose checkpoint resumes into a compiled run again."""
+    result, folder = early
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not [k for k in load(folder / "compiled")["model"] if k.startswith("_orig_mod.")]
+    assert load(folder / "compiled")["iter_num"] == 4
+    eager = {r["iter"]: r["loss"] for r in records(folder / "eager", "train")}
+    mixed = {r["iter"]: r["loss"] for r in records(folder / "compiled", "train")}
     assert list(mixed) == [0, 1, 2, 3] and list(mixed.values()) == pytest.approx(list(eager.values()), rel=1e-4)
-    for key, tensor in load(paper_fp32)["model"].items():
-        torch.testing.assert_close(load(workdir / "compiled")["model"][key], tensor, rtol=1e-3, atol=1e-4, msg=key)
+    starts = records(folder / "compiled", "start")
+    assert [(r["resumed"], r["config"]["compile"]) for r in starts] == [(False, True), (True, False), (True, True)]
+    for key, tensor in load(folder / "eager")["model"].items():
+        torch.testing.assert_close(load(folder / "compiled")["model"][key], tensor, rtol=1e-3, atol=1e-4, msg=key)
 
 
 def test_checkpoint_from_before_the_backbone_settings_resumes_as_gpt2_blocks(workdir, first_half):
