@@ -1,7 +1,5 @@
 import ctypes
-import os
 import platform
-import subprocess
 import sys
 
 import pytest
@@ -9,8 +7,6 @@ import torch
 
 import common
 from common import autocast_context, choose_dtype, default_peak_flops, synchronize, tune_malloc
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -137,14 +133,15 @@ print(mmapped >> 20, libc.mallinfo2().fordblks >> 20)  # MB served by mmap while
 """
 
 
+EARLY = {"test_tuned_malloc_keeps_a_freed_large_buffer_in_the_process":
+         lambda folder: [["-c", MALLINFO, "stock"], ["-c", MALLINFO, "tuned"]]}
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc only")
-def test_tuned_malloc_keeps_a_freed_large_buffer_in_the_process():
-    def run(mode):
-        result = subprocess.run([sys.executable, "-c", MALLINFO, mode], cwd=ROOT, capture_output=True, text=True,
-                                timeout=120)
-        assert result.returncode == 0, result.stderr
-        return [int(x) for x in result.stdout.split()]
-    stock_mmapped, stock_kept = run("stock")
-    tuned_mmapped, tuned_kept = run("tuned")
+def test_tuned_malloc_keeps_a_freed_large_buffer_in_the_process(early):
+    result, _ = early  # a process of its own per allocator, started with the session (conftest.py)
+    assert result.returncode == 0, result.stderr
+    (stock_mmapped, stock_kept), (tuned_mmapped, tuned_kept) = [map(int, line.split()) for line in
+                                                                result.stdout.splitlines()]
     assert stock_mmapped >= 256 and stock_kept < 256  # glibc's default: mapped for the buffer, unmapped on free
     assert tuned_mmapped < 256 and tuned_kept >= 256  # tuned: from the heap, and still there to reuse after free
