@@ -19,6 +19,14 @@ def run(script, *args, cwd=ROOT):
     return run_script(script, *args, cwd=cwd)
 
 
+def test_a_loop_count_above_max_loops_is_a_one_line_error(bytes_run):
+    result = run("sample.py", f"--out_dir={bytes_run}", "--device=cpu", "--dtype=float32", "--n_loop=5000",
+                 "--num_samples=1", "--max_new_tokens=1")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == ("error: --n_loop must be a loop count from 1 to 1024 (model.MAX_LOOPS), or 0 (the "
+                             "trained one), got 5000\n")
+
+
 def sample(out_dir, *args):
     result = run("sample.py", f"--out_dir={out_dir}", "--device=cpu", "--dtype=float32", *args)
     assert result.returncode == 0, result.stderr
