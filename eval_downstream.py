@@ -184,7 +184,7 @@ class CheckpointLM(TemplateLM):
         """What the harness records in the results' "config"."""
         cfg = self.model.config
         loops = self.n_loop or cfg.n_loop
-        return dict(n_layer=cfg.n_layer, n_loop_trained=cfg.n_loop, n_loop=loops, unrolled_depth=cfg.n_layer * loops,
+        return dict(n_layer=cfg.n_layer, n_loop_trained=cfg.n_loop, n_loop=loops, unrolled_depth=cfg.depth(loops),
                     residual=cfg.residual, block_size=cfg.block_size, tokenizer=self.enc.name)
 
 

@@ -2,7 +2,9 @@
 A looped GPT with DeepLoop residual scaling, in one file.
 
 A looped GPT stores `n_layer` physical blocks and runs the whole stack `n_loop` times, so the network is
-`unrolled_depth = n_layer * n_loop` blocks deep while holding only `n_layer` blocks of parameters.
+`unrolled_depth = n_layer * n_loop` blocks deep while holding only `n_layer` blocks of parameters. Optionally, as in
+the recurrent-depth models (Huginn's prelude / core / coda), `n_prelude` blocks run once before the looped core and
+`n_coda` blocks once after it, and `loop_input` feeds the embedded input into every loop (`LoopInput`).
 
 DeepLoop keeps DeepNorm's Post-LN block, x = LN(alpha * x + f(x)), and only changes the two numbers alpha (how much
 the residual stream is up-weighted) and beta (how much the residual branches are down-scaled at init). All of the
@@ -27,6 +29,7 @@ OWN_EXPONENT = {"deeploop": 0.5, "deepnorm": 0.25}  # each Post-LN scheme's p wh
 NORMS = ("layernorm", "rmsnorm")
 POSITION_ENCODINGS = ("learned", "rope")
 LOOP_SAMPLINGS = ("fixed", "uniform", "lognormal_poisson")
+LOOP_INPUTS = ("none", "add", "concat")
 # The most loops a forward pass may run, in training, evaluation and generation. A training step never ends early
 # (train.py lets a step finish on SIGTERM before it saves), so a step must end in bounded time; and a typo such as
 # --loop_max=1000000000000 would otherwise grow the list of visits until the memory runs out. 1024 is 32 times
@@ -42,7 +45,8 @@ def check_loops(n_loop):
 
 
 def residual_coefficients(residual, unrolled_depth, exponent=0.0):
-    """Return (alpha, beta) for a residual scheme at unrolled depth N = n_layer * n_loop.
+    """Return (alpha, beta) for a residual scheme at unrolled depth N = n_prelude + n_layer * n_loop + n_coda: the
+    prelude and coda blocks count once each, as the untied layers they are; every loop of the core counts again.
 
         deeploop: alpha = (2N)^p,  beta = (8N)^(-p),  p = 1/2
         deepnorm: alpha = (2N)^p,  beta = (8N)^(-p),  p = 1/4
@@ -78,6 +82,9 @@ def branch_scale(residual, n_layer, n_loop, lam=1.0):
 
         preln_scaled: epsilon = lam / (n_loop * sqrt(n_layer))
         every other scheme: epsilon = 1
+
+    With a prelude and coda, n_layer counts every distinct block (n_prelude + n_layer + n_coda: independent blocks,
+    under the square root) and n_loop the core's loops; all blocks share the one epsilon.
 
     preln_scaled is the rival rule of Wang, Li, Zhang, Huang, Yan and Li, "On the Residual Scaling of Looped
     Transformers: Stability and Transferability" (arXiv 2606.18524). They keep Pre-LN and argue from the same
@@ -121,8 +128,13 @@ class GPTConfig:
     position_encoding: str = "learned"    # learned (GPT-2's position embedding) | rope (rotary, on q and k)
     norm_branch_input: bool = False       # Post-LN: normalize the input of each attention and MLP branch too
     # alpha, beta (and preln_scaled's epsilon) are numbers of the model, fixed at init: they come from the unrolled
-    # depth n_layer * coefficient_loops, whatever loop count a forward pass runs (sampled loop counts, test-time depth)
+    # depth n_prelude + n_layer * coefficient_loops + n_coda, whatever count of core loops a forward pass runs
+    # (sampled loop counts, test-time depth)
     coefficient_loops: int = 0            # 0: n_loop
+    # Huginn's prelude / core / coda: blocks run once before and once after the looped core of n_layer blocks
+    n_prelude: int = 0
+    n_coda: int = 0
+    loop_input: str = "none"              # none | add | concat: the embedded input fed into every loop (LoopInput)
 
     def __post_init__(self):
         if self.residual not in RESIDUALS:
@@ -138,23 +150,38 @@ class GPTConfig:
         if not 0 <= self.coefficient_loops <= MAX_LOOPS:
             raise ValueError(f"coefficient_loops must be from 0 (= n_loop) to {MAX_LOOPS} (model.MAX_LOOPS), got "
                              f"{self.coefficient_loops}")
+        if self.n_prelude < 0 or self.n_coda < 0:
+            raise ValueError(f"n_prelude and n_coda must be >= 0 (0 = none), got n_prelude={self.n_prelude} "
+                             f"n_coda={self.n_coda}")
+        if self.loop_input not in LOOP_INPUTS:
+            raise ValueError(f"unknown loop_input {self.loop_input!r}; choose one of {', '.join(LOOP_INPUTS)}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.position_encoding == "rope" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"rope rotates pairs of channels: the head size n_embd/n_head="
                              f"{self.n_embd // self.n_head} must be even")
-        # both raise on a bad exponent or lambda
-        residual_coefficients(self.residual, self.coefficient_depth, self.residual_exponent)
-        branch_scale(self.residual, self.n_layer, self.coefficient_depth // self.n_layer, self.residual_lambda)
+        self.coefficients()  # raises on a bad exponent or lambda
+
+    def depth(self, loops):
+        """Blocks that a pass with `loops` loops of the core runs through: n_prelude + n_layer * loops + n_coda."""
+        return self.n_prelude + self.n_layer * loops + self.n_coda
 
     @property
     def unrolled_depth(self):
-        return self.n_layer * self.n_loop
+        return self.depth(self.n_loop)
 
     @property
     def coefficient_depth(self):
         """The N that alpha, beta and Pre-LN's scaled init are built from."""
-        return self.n_layer * (self.coefficient_loops or self.n_loop)
+        return self.depth(self.coefficient_loops or self.n_loop)
+
+    def coefficients(self):
+        """(alpha, beta, epsilon) of the model: residual_coefficients at coefficient_depth, branch_scale over every
+        distinct block and coefficient_loops (or n_loop) loops."""
+        alpha, beta = residual_coefficients(self.residual, self.coefficient_depth, self.residual_exponent)
+        blocks = self.n_prelude + self.n_layer + self.n_coda
+        return alpha, beta, branch_scale(self.residual, blocks, self.coefficient_loops or self.n_loop,
+                                         self.residual_lambda)
 
 
 @dataclass
@@ -329,14 +356,41 @@ class Block(nn.Module):
         return self.ln_2(self.alpha * x + self.mlp(self.ln_mlp_input(x)))
 
 
+class LoopInput(nn.Module):
+    """The stream entering every core loop after the first, from the state x the previous loop left and the embedded
+    input e (the prelude's output, as Huginn's e = prelude(embed(x)); without a prelude the embedding, which ln_e
+    normalizes in a Post-LN model):
+        add     x + e, as Yang et al.'s looped transformer (Leiay/looped_transformer): z = f(z + e) from z = 0
+        concat  adapter([x, e]), Huginn's Linear(2d -> d) (seal-rg/recurrent-pretraining), initialised to [I | 0] as
+                in LoopedLMs/nanoLOOP: at init it passes the state through
+    The first loop reads e itself, as add's zero start gives; not Huginn's random start state, so that a forward
+    pass stays a function of its input (evaluation, cached decoding). It sits between loops, outside the blocks, so
+    that both branches of the first core block read it. Every Post-LN block reads a normalized stream, and x and e
+    are norms' outputs, but neither their sum (RMS about sqrt 2) nor a trained adapter's output is: a norm of its
+    own follows. alpha does not weigh x against e: e is the input, to be read as strongly as the first loop reads
+    it, not a branch to keep small. Pre-LN needs no norm: its blocks normalize each branch's input."""
+
+    def __init__(self, config):
+        super().__init__()
+        C = config.n_embd
+        self.adapter = nn.Linear(2 * C, C, bias=config.bias) if config.loop_input == "concat" else None
+        self.norm = nn.Identity() if config.residual in PRE_LN else make_norm(config)
+
+    def forward(self, x, e):
+        return self.norm(x + e if self.adapter is None else self.adapter(torch.cat((x, e), dim=-1)))
+
+
 class GPT(nn.Module):
 
     def __init__(self, config):
         super().__init__()
         self.config = config
         N = config.coefficient_depth
-        self.alpha, self.beta = residual_coefficients(config.residual, N, config.residual_exponent)
-        self.epsilon = branch_scale(config.residual, config.n_layer, N // config.n_layer, config.residual_lambda)
+        self.alpha, self.beta, self.epsilon = config.coefficients()
+
+        def blocks(n):
+            return nn.ModuleList([Block(config, self.alpha, self.epsilon) for _ in range(n)])
+
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd) if config.position_encoding == "learned" else None,
@@ -345,7 +399,10 @@ class GPT(nn.Module):
             # the first branches learn to output for every position, and the model collapses to unigram statistics.
             ln_e=nn.Identity() if config.residual in PRE_LN else make_norm(config),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config, self.alpha, self.epsilon) for _ in range(config.n_layer)]),
+            prelude=blocks(config.n_prelude),  # empty lists by default: the state dict is GPT-2's
+            h=blocks(config.n_layer),  # the looped core
+            coda=blocks(config.n_coda),
+            inject=LoopInput(config) if config.loop_input != "none" else None,
             # Post-LN blocks already end in a LayerNorm; only Pre-LN needs a final one
             ln_f=make_norm(config) if config.residual in PRE_LN else nn.Identity(),
         ))
@@ -358,7 +415,9 @@ class GPT(nn.Module):
 
         self.apply(self._init_weights)
         with torch.no_grad():
-            for block in self.transformer.h:  # preln_scaled keeps std 0.02: its epsilon carries the depth
+            if config.loop_input == "concat":
+                nn.init.eye_(self.transformer.inject.adapter.weight)  # [I | 0]; _init_weights zeroed the bias
+            for block in self._visits(1):  # preln_scaled keeps std 0.02: its epsilon carries the depth
                 if config.residual == "preln":  # GPT-2's scaled init, counted over the unrolled depth
                     for proj in (block.attn.c_proj, block.mlp.c_proj):
                         nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * N))
@@ -384,8 +443,9 @@ class GPT(nn.Module):
         return n - wpe.weight.numel() if non_embedding and wpe is not None else n
 
     def _visits(self, n_loop):
-        """The unrolled order of physical blocks: 0..L-1, then again, n_loop times."""
-        return [block for _ in range(n_loop or self.config.n_loop) for block in self.transformer.h]
+        """The unrolled order of physical blocks: the prelude, the core's 0..L-1 n_loop times, the coda."""
+        t = self.transformer
+        return [*t.prelude, *[block for _ in range(n_loop or self.config.n_loop) for block in t.h], *t.coda]
 
     def _embed(self, idx, start=0):
         T = idx.size(1)
@@ -405,25 +465,44 @@ class GPT(nn.Module):
     def _loss(self, logits, targets):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
+    @staticmethod
+    def _run(blocks, x, caches, rope):
+        for block, cache in zip(blocks, caches):
+            x = block(x, cache, rope)
+        return x
+
+    def loop(self, state, e, caches, rope):
+        """One loop of the core -> the state it leaves. state: what the previous loop left, None before the first
+        loop, which reads the embedded input e alone; caches: the loop's n_layer KVCache entries (or Nones)."""
+        return self._run(self.transformer.h, self._loop_input(state, e), caches, rope)
+
+    def _loop_input(self, state, e):
+        return e if state is None else state if self.transformer.inject is None else self.transformer.inject(state, e)
+
     def forward(self, idx, targets=None, n_loop=None, kv_cache=None, last_only=False, head=None, backprop_loops=0):
         """Logits for every position, and the mean cross-entropy when targets are given (-1 = ignore).
-        n_loop runs another loop count than the model was built with (test-time depth, 1 to MAX_LOOPS); alpha, beta
-        and epsilon stay as built.
-        backprop_loops > 0 runs all loops but the last backprop_loops without autograd (Huginn's truncated backprop):
-        no gradient reaches the blocks' earlier visits, nor the position embedding and ln_e, which only they read
-        (Huginn feeds the embedded input into every loop, so its embedding layers still learn; this model does not).
-        Used by generate(): kv_cache, a list with one KVCache per unrolled visit; last_only, which spares the
-        output layer all positions but the last; head, generate's copy of the output layer's weight (n_embd, vocab)
-        to multiply by instead of calling lm_head."""
+        n_loop runs another count of core loops than the model was built with (test-time depth, 1 to MAX_LOOPS);
+        alpha, beta and epsilon stay as built.
+        backprop_loops > 0 runs all core loops but the last backprop_loops without autograd (Huginn's truncated
+        backprop): no gradient reaches the blocks' earlier visits. With loop_input none, nor do the prelude, the
+        position embedding and ln_e, which only the first loop reads; with add or concat every loop reads the
+        embedded input, so they learn through the loops that keep gradients, as Huginn's do. The coda always learns.
+        Used by generate(): kv_cache, a list with one KVCache per unrolled visit (_visits' order); last_only, which
+        spares the output layer all positions but the last; head, generate's copy of the output layer's weight
+        (n_embd, vocab) to multiply by instead of calling lm_head."""
         if n_loop:
             check_loops(n_loop)
+        P, L, loops = self.config.n_prelude, self.config.n_layer, n_loop or self.config.n_loop
         start = kv_cache[0].past if kv_cache else 0
-        x, rope = self._embed(idx, start), self._rope(start, idx.size(1))
-        visits = self._visits(n_loop)
-        untracked = len(visits) - backprop_loops * self.config.n_layer if backprop_loops else 0
-        for i, block in enumerate(visits):
-            with torch.no_grad() if i < untracked else nullcontext():
-                x = block(x, kv_cache[i] if kv_cache is not None else None, rope)
+        caches = kv_cache or [None] * self.config.depth(loops)
+        rope = self._rope(start, idx.size(1))
+        e = self._run(self.transformer.prelude, self._embed(idx, start), caches[:P], rope)
+        untracked = loops - backprop_loops if backprop_loops else 0
+        x = None
+        for r in range(loops):
+            with torch.no_grad() if r < untracked else nullcontext():
+                x = self.loop(x, e, caches[P + r * L:P + (r + 1) * L], rope)
+        x = self._run(self.transformer.coda, x, caches[P + loops * L:], rope)
         x = self.transformer.ln_f(x[:, -1:] if last_only else x)
         logits = x @ head if head is not None else self.lm_head(x)
         return logits, None if targets is None else self._loss(logits, targets)
@@ -479,20 +558,24 @@ class GPT(nn.Module):
             grad_norm[b][r]   norm of the gradient that visit r contributes to physical block b;
             kappa[b]          the visit-alignment coefficient of block b (below).
         Each visit runs the block with its own leaf copy of the block's parameters (sharing storage), so autograd
-        hands back the per-visit gradient contributions g_r, whose sum is the block's real gradient."""
-        visits = self._visits(None)
-        x, rope = self._embed(idx), self._rope(0, idx.size(1))
-        residual_rms, visit_params = [], []
-        for block in visits:
-            params = {name: p.detach().requires_grad_() for name, p in block.named_parameters()}
-            x = functional_call(block, params, (x, None, rope))
-            visit_params.append(params)
-            residual_rms.append(x.detach().pow(2).mean().sqrt().item())
+        hands back the per-visit gradient contributions g_r, whose sum is the block's real gradient. All three cover
+        the looped core only; the prelude and coda run as in forward."""
+        L, R = self.config.n_layer, self.config.n_loop
+        rope = self._rope(0, idx.size(1))
+        e = self._run(self.transformer.prelude, self._embed(idx), [None] * self.config.n_prelude, rope)
+        x, residual_rms, visit_params = None, [], []
+        for _ in range(R):
+            x = self._loop_input(x, e)
+            for block in self.transformer.h:
+                params = {name: p.detach().requires_grad_() for name, p in block.named_parameters()}
+                x = functional_call(block, params, (x, None, rope))
+                visit_params.append(params)
+                residual_rms.append(x.detach().pow(2).mean().sqrt().item())
+        x = self._run(self.transformer.coda, x, [None] * self.config.n_coda, rope)
         loss = self._loss(self.lm_head(self.transformer.ln_f(x)), targets)
         grads = torch.autograd.grad(loss, [p for params in visit_params for p in params.values()])
         n = len(visit_params[0])
-        flat = [torch.cat([g.flatten() for g in grads[v * n:(v + 1) * n]]) for v in range(len(visits))]
-        L, R = self.config.n_layer, self.config.n_loop
+        flat = [torch.cat([g.flatten() for g in grads[v * n:(v + 1) * n]]) for v in range(L * R)]
         grad_norm, kappa = [], []
         for b in range(L):
             g = [flat[r * L + b] for r in range(R)]
@@ -535,15 +618,18 @@ class GPT(nn.Module):
         depth: each visit of a block costs its matmuls again (PaLM appendix B accounting). The forward pass costs 2
         FLOPs per parameter and token in every visit, the backward pass 4, in the visits it reaches only: with
         backprop_loops, the last backprop_loops loops (forward's truncated backprop). Attention's scores likewise:
-        4 * n_embd * block_size per visit forward, twice that backward."""
+        4 * n_embd * block_size per visit forward, twice that backward. The prelude, coda and injection run once a
+        pass, forward and backward (with backprop_loops and loop_input none no gradient reaches the prelude: its
+        backward is counted all the same, a few blocks' worth at most)."""
         cfg = self.config
         loops = n_loop or cfg.n_loop
         tracked = min(backprop_loops, loops) if backprop_loops else loops
-        block_params = sum(p.numel() for p in self.transformer.h.parameters())
-        other_params = self.num_params() - block_params  # the tied output layer, and ln_f
-        attention = 4 * cfg.n_layer * cfg.n_embd * cfg.block_size
-        forward = 2 * (block_params * loops + other_params) + attention * loops
-        return forward + 4 * (block_params * tracked + other_params) + 2 * attention * tracked
+        core_params = sum(p.numel() for p in self.transformer.h.parameters())
+        other_params = self.num_params() - core_params  # the tied output layer, prelude, coda, injection, norms
+        attention = 4 * cfg.n_embd * cfg.block_size
+        once = cfg.n_prelude + cfg.n_coda
+        forward = 2 * (core_params * loops + other_params) + attention * cfg.depth(loops)
+        return forward + 4 * (core_params * tracked + other_params) + 2 * attention * (cfg.n_layer * tracked + once)
 
     def estimate_mfu(self, tokens_per_iter, dt, peak_flops, n_loop=None, backprop_loops=0):
         """Model FLOPs utilisation of steps that run n_loop loops (flops_per_token): achieved training FLOP/s over
@@ -555,7 +641,9 @@ class GPT(nn.Module):
         (these bytes over the memory bandwidth): every weight of the blocks and of the output layer once, and the
         keys and values of `past` positions of each sequence in every unrolled visit. The embeddings' few rows and
         the activations are left out."""
-        weights = sum(p.numel() for p in self.transformer.h.parameters()) + self.lm_head.weight.numel()
+        t = self.transformer
+        weights = sum(p.numel() for m in (t.prelude, t.h, t.coda, t.inject) if m is not None for p in m.parameters())
+        weights += self.lm_head.weight.numel()
         cache = 2 * len(self._visits(n_loop)) * sequences * past * self.config.n_embd
         return (weights + cache) * element_size
 

@@ -82,7 +82,7 @@ x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, :]
 cfg = model.config
 loops = n_loop or cfg.n_loop
 print(f"{out_dir}/ckpt.pt: {cfg.n_layer} blocks x {cfg.n_loop} loops trained, sampling with {loops} loops "
-      f"(unrolled depth {cfg.n_layer * loops}), tokenizer {checkpoint['tokenizer']}, iter {checkpoint['iter_num']}, "
+      f"(unrolled depth {cfg.depth(loops)}), tokenizer {checkpoint['tokenizer']}, iter {checkpoint['iter_num']}, "
       f"dtype {dtype} ({dtype_reason})", file=sys.stderr)
 del checkpoint  # the optimizer state in it is not needed for sampling
 

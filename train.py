@@ -18,6 +18,7 @@ second signal, a second or more later, stops at once; ckpt.pt is only ever repla
 """
 
 import atexit
+import dataclasses
 import fcntl
 import json
 import math
@@ -79,6 +80,9 @@ residual_lambda = 1.0    # preln_scaled's branches times residual_lambda / (n_lo
 norm = "layernorm"       # layernorm | rmsnorm
 position_encoding = "learned"  # learned | rope
 norm_branch_input = False  # Post-LN blocks as x = Norm(alpha * x + f(Norm(x))), the DeepLoop paper's form
+n_prelude = 0            # blocks run once before the looped core, n_coda once after it (Huginn's prelude and coda):
+n_coda = 0               # unrolled depth n_prelude + n_layer * n_loop + n_coda; loop counts below count core loops
+loop_input = "none"      # none | add | concat (Huginn's adapter): the embedded input fed into every loop (LoopInput)
 # Loop counts for test-time depth (model.TrainLoops). n_loop stays the count of evaluations and of sample.py
 loop_sampling = "fixed"  # fixed: every step runs n_loop; uniform: loop_min..loop_max; lognormal_poisson: mean loop_mean
 loop_min = 0
@@ -272,11 +276,7 @@ def to_device(batch):
 
 
 # model and optimizer
-model_args = dict(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_loop=n_loop, n_head=n_head,
-                  n_embd=n_embd, dropout=dropout, bias=bias, residual=residual,
-                  residual_exponent=residual_exponent, residual_lambda=residual_lambda, norm=norm,
-                  position_encoding=position_encoding, norm_branch_input=norm_branch_input,
-                  coefficient_loops=coefficient_loops)
+model_args = {f.name: globals()[f.name] for f in dataclasses.fields(GPTConfig)}  # vocab_size: from the data
 try:
     gpt_config = GPTConfig(**model_args)
 except ValueError as e:

@@ -9,8 +9,8 @@ from torch._dynamo.utils import counters
 from torch.func import functional_call
 from torch.nn import functional as F
 
-from model import (GPT, LOOP_STREAM, MAX_LOOPS, GPTConfig, KVCache, NORMS, POSITION_ENCODINGS, PRE_LN, RESIDUALS,
-                   TrainLoops, apply_rotary, branch_scale, residual_coefficients)
+from model import (GPT, LOOP_INPUTS, LOOP_STREAM, MAX_LOOPS, GPTConfig, KVCache, NORMS, POSITION_ENCODINGS, PRE_LN,
+                   RESIDUALS, TrainLoops, apply_rotary, branch_scale, residual_coefficients)
 
 
 def tiny(**kw):
@@ -674,3 +674,198 @@ def test_backprop_through_the_last_loops_equals_the_gradient_of_those_visits_alo
     model(idx, targets, n_loop=R)[1].backward()
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, full[name]), name
+
+
+HUGINN = dict(n_prelude=1, n_coda=2)  # blocks run once before and after the looped core
+
+
+@pytest.mark.parametrize("backbone", [{}, PAPER, dict(residual="preln")], ids=["gpt2", "paper", "preln"])
+def test_defaults_are_the_plain_stack_bit_for_bit(backbone):
+    """n_prelude = n_coda = 0 and loop_input none: the state dict holds only the embeddings, the looped blocks and
+    the output layer, and the logits are, bit for bit, embed -> the blocks n_loop times -> ln_f -> lm_head."""
+    torch.manual_seed(0)
+    model = GPT(tiny(n_loop=3, **backbone)).eval()
+    assert {k.split(".")[1] for k in model.state_dict() if k != "lm_head.weight"} <= {"wte", "wpe", "ln_e", "h", "ln_f"}
+    t = model.transformer
+    idx = torch.randint(0, 128, (2, 12))
+    for loops in (3, 1, 5):
+        x = t.wte(idx) + t.wpe(torch.arange(12)) if t.wpe is not None else t.wte(idx)
+        x = t.ln_e(x)
+        for block in [*t.h] * loops:
+            x = block(x, None, model._rope(0, 12))
+        assert torch.equal(model(idx, n_loop=loops)[0], model.lm_head(t.ln_f(x)))
+
+
+@pytest.mark.parametrize("P,L,R,C", [(1, 2, 1, 1), (2, 4, 3, 2), (0, 2, 4, 1), (3, 1, 8, 0)])
+def test_prelude_and_coda_count_once_in_the_depth_of_every_coefficient(P, L, R, C):
+    N = P + L * R + C
+    cfg = dict(n_layer=L, n_loop=R, n_prelude=P, n_coda=C)
+    assert tiny(**cfg).unrolled_depth == N
+    model = GPT(tiny(**cfg))
+    assert (model.alpha, model.beta) == pytest.approx((math.sqrt(2 * N), 1 / math.sqrt(8 * N)))
+    assert all(block.alpha == model.alpha for block in model._visits(1))
+    # alpha and beta from coefficient_loops instead of n_loop: the prelude and coda still count once
+    assert GPT(tiny(coefficient_loops=5, **cfg)).alpha == pytest.approx(math.sqrt(2 * (P + L * 5 + C)))
+    # the rival's epsilon: every distinct block under the square root, the core's loops outside it
+    rival = GPT(tiny(residual="preln_scaled", residual_lambda=2.0, **cfg))
+    assert rival.epsilon == pytest.approx(2.0 / (R * math.sqrt(P + L + C)))
+    assert all(block.epsilon == rival.epsilon for block in rival._visits(1))
+    # Pre-LN's scaled init, in the prelude and coda blocks too (wide, so the sample std is near the true one)
+    torch.manual_seed(0)
+    preln = GPT(tiny(residual="preln", n_embd=256, n_head=4, **cfg))
+    for block in preln._visits(1):
+        assert block.mlp.c_proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(2 * N), rel=0.03)
+    # DeepNorm's beta in every block
+    torch.manual_seed(0)
+    deep = GPT(tiny(residual="deepnorm", n_embd=256, n_head=4, **cfg))
+    for block in deep._visits(1):
+        assert block.mlp.c_fc.weight.std().item() == pytest.approx(0.02 * (8 * N) ** -0.25, rel=0.03)
+
+
+@pytest.mark.parametrize("loop_input", LOOP_INPUTS)
+@pytest.mark.parametrize("residual", ["deeploop", "preln"])
+def test_parameter_count_with_a_prelude_and_coda_does_not_depend_on_n_loop(residual, loop_input):
+    counts = {n_loop: GPT(tiny(residual=residual, n_loop=n_loop, loop_input=loop_input, **HUGINN)).num_params()
+              for n_loop in (1, 2, 8)}
+    assert len(set(counts.values())) == 1, counts
+    block = 2 * 2 * 32 + (32 * 96 + 96) + (32 * 32 + 32) + (32 * 128 + 128) + (128 * 32 + 32)
+    injection = {"none": 0, "add": 0, "concat": 64 * 32 + 32}[loop_input]
+    injection += 2 * 32 if loop_input != "none" and residual not in PRE_LN else 0  # its LayerNorm
+    assert counts[1] == GPT(tiny(residual=residual)).num_params() + 3 * block + injection
+
+
+def test_forward_runs_the_prelude_then_the_core_n_loop_times_then_the_coda():
+    model = GPT(tiny(n_layer=2, n_loop=2, loop_input="add", **HUGINN))
+    order = []
+    t = model.transformer
+    for name, blocks in (("p", t.prelude), ("h", t.h), ("c", t.coda)):
+        for i, block in enumerate(blocks):
+            block.register_forward_hook(lambda *_, tag=f"{name}{i}": order.append(tag))
+    t.inject.register_forward_hook(lambda *_: order.append("in"))
+    model(torch.zeros(1, 4, dtype=torch.long))
+    assert order == ["p0", "h0", "h1", "in", "h0", "h1", "c0", "c1"]
+    order.clear()
+    model(torch.zeros(1, 4, dtype=torch.long), n_loop=3)  # test-time depth counts core loops
+    assert order == ["p0", "h0", "h1", "in", "h0", "h1", "in", "h0", "h1", "c0", "c1"]
+
+
+@pytest.mark.parametrize("loop_input", LOOP_INPUTS)
+@pytest.mark.parametrize("backbone", [{}, PAPER, dict(residual="preln"), dict(residual="preln", **PAPER)],
+                         ids=["gpt2", "paper", "preln", "preln-rope"])
+def test_cached_generation_equals_recomputing_with_a_prelude_coda_and_loop_input(loop_input, backbone):
+    torch.manual_seed(1)
+    model = GPT(tiny(n_loop=2, block_size=16, loop_input=loop_input, **HUGINN, **backbone)).eval()
+    with torch.no_grad():  # away from init, where concat's adapter ignores e
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    prompt = torch.randint(0, 128, (2, 5))
+    for n_loop in (None, 3):
+        cached = model.generate(prompt, 25, top_k=1, n_loop=n_loop)  # past block_size 16: the window slides
+        assert torch.equal(cached, model.generate(prompt, 25, top_k=1, n_loop=n_loop, use_cache=False))
+    cache = [KVCache() for _ in model._visits(3)]
+    assert len(cache) == 1 + 2 * 3 + 2  # one entry per unrolled visit
+    model(prompt, n_loop=3, kv_cache=cache)
+    assert all(c.past == 5 for c in cache)
+    assert model.decode_step_bytes(1, 10, 4, n_loop=3) - model.decode_step_bytes(1, 10, 4, n_loop=2) == \
+        4 * 2 * 2 * 10 * 32  # the 2 visits of one more loop
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("residual", ["deeploop", "preln"])
+def test_concat_at_init_passes_the_state_through(residual, norm):
+    torch.manual_seed(0)
+    model = GPT(tiny(residual=residual, norm=norm, n_loop=2, loop_input="concat", **HUGINN))
+    adapter = model.transformer.inject.adapter
+    assert torch.equal(adapter.weight, torch.cat((torch.eye(32), torch.zeros(32, 32)), dim=1))
+    state, e = torch.randn(2, 7, 32), torch.randn(2, 7, 32)
+    if residual not in PRE_LN:  # a Post-LN state is a norm's output; the injection's own norm keeps it
+        state = model.transformer.h[-1].ln_2(state)
+    injected = model.transformer.inject(state, e)
+    if residual in PRE_LN:
+        assert torch.equal(injected, state)
+    else:
+        torch.testing.assert_close(injected, state, rtol=0, atol=1e-4)
+    # and so the whole model at init computes what loop_input none computes with the same weights
+    plain = GPT(tiny(residual=residual, norm=norm, n_loop=2, **HUGINN))
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if "inject" not in k})
+    idx = torch.randint(0, 128, (2, 12))
+    torch.testing.assert_close(model(idx)[0], plain(idx)[0], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("loop_input", LOOP_INPUTS)
+def test_backprop_loops_with_a_prelude_and_coda(loop_input):
+    """Truncated backprop through the last k of R core loops, against a hand computation with a leaf copy of the
+    core's weights per visit and of the embedded input e per loop: a core block gets the sum over the kept loops'
+    visits; the prelude gets what the kept loops' reads of e send it, which is nothing with loop_input none (the
+    first loop alone reads e, untracked): the prelude, position embedding and ln_e then learn nothing, as without a
+    prelude. The coda, after the loops, gets its full gradient."""
+    torch.manual_seed(0)
+    model = GPT(tiny(n_layer=2, n_loop=2, loop_input=loop_input, **HUGINN))
+    with torch.no_grad():  # away from init, where concat's adapter ignores e
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    t = model.transformer
+    idx = torch.randint(0, 128, (2, 16))
+    targets = torch.roll(idx, -1, 1)
+    R, k = 4, 2
+    model(idx, targets, n_loop=R, backprop_loops=k)[1].backward()
+    truncated = {name: p.grad for name, p in model.named_parameters()}
+    model.zero_grad()
+    model(idx, targets, n_loop=R)[1].backward()
+    full = {name: p.grad for name, p in model.named_parameters()}
+
+    e = t.prelude[0](model._embed(idx))
+    x, reads, visit_params = None, [], []
+    for r in range(R):
+        reads.append(e.detach().requires_grad_())
+        x = reads[r] if x is None else x if t.inject is None else t.inject(x, reads[r])
+        for block in t.h:
+            visit_params.append({name: p.detach().requires_grad_() for name, p in block.named_parameters()})
+            x = functional_call(block, visit_params[-1], (x, None, None))
+    loss = model._loss(model.lm_head(t.ln_f(model._run(t.coda, x, [None, None], None))), targets)
+    grads = torch.autograd.grad(loss, reads + [p for params in visit_params for p in params.values()],
+                                allow_unused=True)
+    n = len(visit_params[0])
+    per_visit = [dict(zip(params, grads[R + v * n:R + (v + 1) * n])) for v, params in enumerate(visit_params)]
+    for b, block in enumerate(t.h):
+        for name, p in block.named_parameters():
+            expected = sum(per_visit[r * 2 + b][name] for r in range(R - k, R))
+            torch.testing.assert_close(truncated[f"transformer.h.{b}.{name}"], expected, rtol=1e-4, atol=1e-7)
+    kept_reads = [grads[r] for r in range(R - k, R) if grads[r] is not None]
+    prelude = dict(t.prelude.named_parameters())
+    if loop_input == "none":
+        assert not kept_reads
+        assert all(truncated[f"transformer.prelude.{name}"] is None for name in prelude)
+        assert truncated["transformer.wpe.weight"] is None and truncated["transformer.ln_e.weight"] is None
+    else:
+        expected = torch.autograd.grad(e, list(prelude.values()), sum(kept_reads))
+        for (name, _), g in zip(prelude.items(), expected):
+            torch.testing.assert_close(truncated[f"transformer.prelude.{name}"], g, rtol=1e-4, atol=1e-8)
+        assert truncated["transformer.wpe.weight"].abs().sum() > 0
+    for name in dict(t.coda.named_parameters()):
+        torch.testing.assert_close(truncated[f"transformer.coda.{name}"], full[f"transformer.coda.{name}"])
+
+
+@pytest.mark.parametrize("loop_input", ["none", "concat"])
+def test_loop_diagnostics_cover_the_core_visits(loop_input):
+    torch.manual_seed(0)
+    model = GPT(tiny(n_layer=2, n_loop=3, loop_input=loop_input, **HUGINN))
+    idx = torch.randint(0, 128, (2, 16))
+    targets = torch.roll(idx, -1, 1)
+    diag = model.loop_diagnostics(idx, targets)
+    assert len(diag["residual_rms"]) == 6 and len(diag["grad_norm"]) == 2 and len(diag["grad_norm"][0]) == 3
+    model(idx, targets)[1].backward()
+    for b, block in enumerate(model.transformer.h):
+        total = torch.cat([p.grad.flatten() for p in block.parameters()]).norm().item()
+        assert total ** 2 == pytest.approx(diag["kappa"][b] * sum(n ** 2 for n in diag["grad_norm"][b]), rel=1e-4)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(n_prelude=-1), "n_prelude and n_coda must be >= 0 (0 = none), got n_prelude=-1 n_coda=0"),
+    (dict(n_coda=-2), "n_prelude and n_coda must be >= 0 (0 = none), got n_prelude=0 n_coda=-2"),
+    (dict(loop_input="gate"), "unknown loop_input 'gate'; choose one of none, add, concat"),
+])
+def test_bad_prelude_coda_and_loop_input_are_rejected(kw, message):
+    with pytest.raises(ValueError) as e:
+        tiny(**kw)
+    assert str(e.value) == message

@@ -728,7 +728,7 @@ def test_checkpoint_from_before_the_backbone_settings_resumes_as_gpt2_blocks(wor
     half_dir, _ = first_half
     shutil.copytree(half_dir, workdir / "old")
     ckpt = load(workdir / "old")
-    for key in ("norm", "position_encoding", "norm_branch_input"):
+    for key in ("norm", "position_encoding", "norm_branch_input", "n_prelude", "n_coda", "loop_input"):
         del ckpt["model_args"][key]
     torch.save(ckpt, workdir / "old" / "ckpt.pt")
     result = train(workdir, "--out_dir=old", "--init_from=resume", "--norm=rmsnorm", "--dropout=0.1", expect_rc=2)
@@ -737,6 +737,31 @@ def test_checkpoint_from_before_the_backbone_settings_resumes_as_gpt2_blocks(wor
         "config unchanged"]
     train(workdir, "--out_dir=old", "--init_from=resume", f"--max_iters={HALF + 1}", "--dropout=0.1")
     assert load(workdir / "old")["iter_num"] == HALF + 1
+
+
+def test_prelude_coda_and_loop_input_travel_in_the_checkpoint_and_bad_ones_are_one_line_errors(workdir):
+    """Huginn's shape with sampled loop counts and truncated backprop: the checkpoint carries the settings, the loop
+    diagnostics cover the core's visits, and resuming with another loop_input or a bad value stops with one line."""
+    huginn = ["--n_prelude=1", "--n_coda=1", "--loop_input=concat", *SAMPLED, "--backprop_loops=1"]
+    train(workdir, "--out_dir=huginn", "--max_iters=4", *huginn)
+    ckpt = load(workdir / "huginn")
+    assert {k: ckpt["model_args"][k] for k in ("n_prelude", "n_coda", "loop_input")} == dict(
+        n_prelude=1, n_coda=1, loop_input="concat")
+    model, _ = GPT.from_checkpoint(os.path.join(workdir, "huginn", "ckpt.pt"))
+    assert (len(model.transformer.prelude), len(model.transformer.coda), model.config.unrolled_depth) == (1, 1, 6)
+    assert model.alpha == pytest.approx(12 ** 0.5)  # N = 1 + 2 x 2 + 1
+    assert {r["loops"] for r in records(workdir / "huginn", "train")} <= {1, 2, 3}
+    loop = records(workdir / "huginn", "eval")[-1]["loop"]
+    assert len(loop["residual_rms"]) == 4 and len(loop["kappa"]) == 2  # 2 core blocks x 2 loops
+    for override, message in [
+        ("--loop_input=add", "resuming huginn/ckpt.pt with another model: loop_input='add' (checkpoint: 'concat'); "
+                             "use the run's config unchanged"),
+        ("--n_coda=-1", "n_prelude and n_coda must be >= 0 (0 = none), got n_prelude=1 n_coda=-1"),
+        ("--loop_input=gate", "unknown loop_input 'gate'; choose one of none, add, concat")]:
+        result = train(workdir, "--out_dir=huginn", "--init_from=resume", "--max_iters=5", *huginn, override,
+                       expect_rc=2)
+        assert result.stderr == f"error: {message}\n"
+    assert load(workdir / "huginn")["iter_num"] == 4  # nothing overwritten
 
 
 def test_a_task_run_logs_accuracy_by_k_and_the_shortcuts(tmp_path):
