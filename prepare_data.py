@@ -15,10 +15,11 @@ without site-packages: the same documents on every machine with the same Python 
 Face hub's parquet conversion of Skylion007/openwebtext (branch refs/convert/parquet). `fineweb_edu`:
 HuggingFaceFW/fineweb-edu, its sample-10BT subset, or sample-100BT / sample-350BT with --subset. Hub files are read
 one at a time: download, tokenize, delete, so the disk holds one of them beside the shards. Hub access goes through
-huggingface_hub, so HF_TOKEN, HF_ENDPOINT (a mirror) and HF_HUB_CACHE work as they do everywhere; a file already
-in the user's cache is read from there and kept. Without a network it stops with one line within seconds. Local
-files: .txt (a whole file is one document), .jsonl (one document per line, its "text" field), .parquet (its "text"
-column); paths or globs. Empty documents are dropped.
+huggingface_hub, so HF_TOKEN, HF_ENDPOINT (a mirror) and HF_HUB_CACHE work as they do everywhere (the tests point
+HF_ENDPOINT at tests/hub_server.py, a local server of the hub's API); a file already in the user's cache is read
+from there and kept. Without a network it stops with one line within seconds. Local files: .txt (a whole file is
+one document), .jsonl (one document per line, its "text" field), .parquet (its "text" column); paths or globs.
+Empty documents are dropped.
 
 Split and shards (the format is in dataset.py). A document goes to val when a hash of (seed, its index in the corpus)
 falls below val_fraction, so the split is fixed by the seed alone. The corpus is cut into chunks at the first document
@@ -27,8 +28,9 @@ val_<k>.bin), each written to a temporary name and renamed once complete.
 
 Resume: after each chunk, progress.json records the shards written and where in the corpus the next chunk starts
 (source file, document); meta.json replaces it at the end. Rerun with the same arguments, an interrupted run keeps
-the finished shards and carries on from there (an unfinished chunk is simply redone). A hub source resumes from the
-same commit only: when the dataset has changed on the hub since, the rerun says so and asks to start again.
+the finished shards and carries on from there (an unfinished chunk is simply redone, a cut-off download fetched
+again). A hub source resumes from the same commit only: when the dataset has changed on the hub since, the rerun
+says so and asks to start again.
 """
 
 import argparse
@@ -81,20 +83,22 @@ def jsonl_documents(path):
             yield text
 
 
-def parquet_documents(path):
-    """The "text" column, a record batch at a time: memory stays small however large the file."""
+def parquet_documents(path, hub_file=None):
+    """The "text" column, a record batch at a time: memory stays small however large the file. hub_file: the hub's
+    name of a file downloaded to path, which is deleted after use; messages name it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     try:
         pfile = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises several types for a damaged file
-        die(f"{path} is not a readable parquet file ({one_line(e)}): download or write it again")
+        fix = "the download is deleted; rerun to fetch it again" if hub_file else "download or write it again"
+        die(f"{hub_file or path} is not a readable parquet file ({one_line(e)}): {fix}")
     schema = pfile.schema_arrow
     if "text" not in schema.names or not (pa.types.is_string(schema.field("text").type)
                                           or pa.types.is_large_string(schema.field("text").type)):
         columns = ", ".join(f"{field.name}: {field.type}" for field in schema)
-        die(f"{path} has no string column 'text' (columns: {columns}): put the documents in a string column "
-            f"named text")
+        die(f"{hub_file or path} has no string column 'text' (columns: {columns}): put the documents in a string "
+            f"column named text")
     for batch in pfile.iter_batches(batch_size=1024, columns=["text"]):
         yield from batch.column(0).to_pylist()
 
@@ -183,6 +187,22 @@ def hub_location(source, subset):
     return "HuggingFaceFW/fineweb-edu", "main", [f"sample/{subset.removeprefix('sample-')}/"]  # e.g. sample/10BT/
 
 
+def hub_failure(error, repo_id, endpoint):
+    """(what went wrong, its fix) of a failed huggingface_hub call: by the HTTP status when the hub answered."""
+    from huggingface_hub.errors import HfHubHTTPError
+    response = error.response if isinstance(error, HfHubHTTPError) else None
+    if response is None:  # no answer: refused, timed out, or not a hub (the client wraps the cause)
+        return one_line(error.__cause__ or error), f"check the network and HF_ENDPOINT (now {endpoint}), then rerun"
+    status = response.status_code
+    reason = f"HTTP {status}" + (f" {one_line(error.server_message)}" if error.server_message else "")
+    if status in (401, 403):  # the hub's answer to a gated or private dataset without a token that may read it
+        return reason, (f"set HF_TOKEN to a token of an account that may read {repo_id} (a gated dataset: accept "
+                        f"its terms on its page first), then rerun")
+    if status == 404:
+        return reason, f"check HF_ENDPOINT (now {endpoint}): it must serve the hub's {repo_id}"
+    return reason, "the hub is not answering; rerun the same command later"
+
+
 def hub_parquet_files(repo_id, revision, folders):
     """(commit, sorted parquet files of the first folder that has any) of a hub dataset. One short request first:
     huggingface_hub retries a failed listing for ~25 s, a dataset_info call with a timeout fails at once."""
@@ -192,8 +212,8 @@ def hub_parquet_files(repo_id, revision, folders):
         commit = api.dataset_info(repo_id, revision=revision, timeout=HUB_TIMEOUT).sha
         files = api.list_repo_files(repo_id, repo_type="dataset", revision=commit)
     except Exception as e:  # no network, a wrong HF_ENDPOINT, a gated repo without HF_TOKEN, ...: all one line
-        die(f"cannot list {repo_id}'s files at {api.endpoint} ({one_line(e)}): check the network (HF_ENDPOINT, "
-            f"HF_TOKEN), or prepare local files instead")
+        reason, fix = hub_failure(e, repo_id, api.endpoint)
+        die(f"cannot list {repo_id}@{revision}'s files at {api.endpoint} ({reason}): {fix}")
     for folder in folders:
         found = sorted(f for f in files if f.startswith(folder) and f.endswith(".parquet"))
         if found:
@@ -204,26 +224,32 @@ def hub_parquet_files(repo_id, revision, folders):
 
 
 def hub_parts(repo_id, revision, folders):
-    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    """A part per parquet file, at the commit the revision points to now. A file already in the user's cache is read
+    from there and kept; any other is downloaded into the cache and deleted after use. huggingface_hub (2.4.0)
+    resumes a dropped connection within the download; a download that fails is deleted, so a rerun fetches that
+    file from its start (and keeps the finished shards)."""
+    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
     commit, files = hub_parquet_files(repo_id, revision, folders)
 
     def part(filename):
+        label = f"hf://datasets/{repo_id}@{commit}/{filename}"  # it names the commit: a resumed run reads the same
+
         def documents():
             cached = isinstance(try_to_load_from_cache(repo_id, filename, revision=commit, repo_type="dataset"), str)
-            try:  # into the user's cache; an interrupted download resumes
+            try:
                 path = hf_hub_download(repo_id, filename, repo_type="dataset", revision=commit)
             except Exception as e:
-                die(f"download of {filename} from {repo_id} failed ({one_line(e)}): rerun the same command to resume")
+                reason, fix = hub_failure(e, repo_id, constants.ENDPOINT)
+                die(f"download of {filename} from {repo_id} failed ({reason}): {fix}; the finished shards are kept")
             try:
-                yield from parquet_documents(path)
+                yield from parquet_documents(path, hub_file=None if cached else label)
             finally:  # also when the run stops inside the file (--max_tokens): one downloaded file at a time on disk
                 if not cached:
                     blob = os.path.realpath(path)  # the cache keeps the file as a blob and a link to it
                     os.remove(path)
                     if blob != os.path.abspath(path):
                         os.remove(blob)
-        # the label names the commit: a resumed run must read the same files
-        return f"hf://datasets/{repo_id}@{commit}/{filename}", documents
+        return label, documents
     return [part(filename) for filename in files]
 
 
@@ -257,7 +283,8 @@ def is_val(doc_index, seed, val_fraction):
 
 
 def documents_from(parts, start):
-    """(position after it, text) of every non-empty document from position start = [part, document] on."""
+    """(position after it, text) of every non-empty document from position start = [part, document] on, and
+    (position, None) where a part ends."""
     first_part, first_doc = start
     for p in range(first_part, len(parts)):
         _, documents = parts[p]
@@ -265,12 +292,20 @@ def documents_from(parts, start):
         skip = first_doc if p == first_part else 0
         for i, text in enumerate(islice(texts, skip, None), skip):
             yield [p, i + 1], text
+        yield [p + 1, 0], None
 
 
-def batches(documents, max_documents):
-    """Lists of (position, text), cut at BATCH_CHARS characters or max_documents documents."""
+def batches(documents, max_documents, tokens_left):
+    """Lists of (position, text), cut at BATCH_CHARS characters or max_documents documents, and where a part ends
+    once the batch may hold tokens_left() tokens (a token is at least one UTF-8 byte: at most 4 per character, and
+    one end of text per document): the next part, a download for a hub file, is opened only if it is needed."""
     batch, chars = [], 0
     for position, text in documents:
+        if text is None:
+            if batch and 4 * chars + len(batch) >= tokens_left():
+                yield batch
+                batch, chars = [], 0
+            continue
         batch.append((position, text))
         chars += len(text)
         if chars >= BATCH_CHARS or len(batch) >= max_documents:
@@ -316,7 +351,7 @@ def tokenize_into(out_dir, parts, enc, state, num_threads=None, quiet=False):
     n_docs, n_tokens = sum(state["documents"].values()), sum(state["tokens"].values())
     max_docs, max_tokens = cfg["max_documents"] or float("inf"), cfg["max_tokens"] or float("inf")
     bar = tqdm(total=cfg["max_tokens"], initial=n_tokens, unit="tok", unit_scale=True, desc=out_dir, disable=quiet)
-    for batch in batches(documents_from(parts, state["next"]), max_docs - n_docs):
+    for batch in batches(documents_from(parts, state["next"]), max_docs - n_docs, lambda: max_tokens - n_tokens):
         encoded = enc.encode_ordinary_batch([text for _, text in batch], num_threads=num_threads)
         for (position, _), tokens in zip(batch, encoded):
             tokens.append(enc.eot_token)
@@ -446,7 +481,7 @@ def bench(tokenizer="gpt2", num_threads=None, repeats=5):
     enc = get_tokenizer(tokenizer)
     num_threads = num_threads or cpus()
     t0 = time.perf_counter()
-    docs = [text for _, text in documents_from(builtin_parts(), [0, 0])]
+    docs = [text for _, text in documents_from(builtin_parts(), [0, 0]) if text is not None]
     collect = time.perf_counter() - t0
     settings = make_settings("builtin", None, None, enc, val_fraction=0.1, seed=1337, shard_size=100_000_000)
     print(f"builtin corpus: {len(docs)} documents, {sum(map(len, docs)):,} characters, collected in {collect:.2f} s")

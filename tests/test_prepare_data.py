@@ -1,10 +1,10 @@
+import hashlib
+import importlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
-import types
 
 import numpy as np
 import pyarrow as pa
@@ -13,6 +13,7 @@ import pytest
 
 import prepare_data
 from dataset import get_tokenizer, load_meta, read_shard
+from hub_server import Hub
 from prepare_data import prepare
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,8 +26,15 @@ def documents(n, seed=0):
             for i in range(n)]
 
 
-def write_parquet(path, texts):
-    pq.write_table(pa.table({"id": list(range(len(texts))), "text": texts}), path, row_group_size=7)
+def parquet_bytes(texts, pad=0):
+    """A parquet file of the texts; pad: that many random bytes in a column the reader skips, for a file larger
+    than the client's 10 MB download chunk."""
+    columns = {"id": list(range(len(texts))), "text": texts}
+    if pad:
+        columns["pad"] = [os.urandom(pad)] + [b""] * (len(texts) - 1)
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table(columns), sink, row_group_size=7)
+    return sink.getvalue().to_pybytes()
 
 
 @pytest.fixture
@@ -42,7 +50,7 @@ def corpus(tmp_path):
         for i, d in enumerate(docs[4:20]):
             f.write(json.dumps({"text": d, "n": i}) + "\n" + ("\n" if i == 3 else ""))
         f.write(json.dumps({"text": ""}) + "\n")
-    write_parquet(src / "c.parquet", docs[20:30] + [None] + docs[30:])
+    (src / "c.parquet").write_bytes(parquet_bytes(docs[20:30] + [None] + docs[30:]))
     return [str(src / "a*.txt"), str(src / "b.jsonl"), str(src / "c.parquet")], docs
 
 
@@ -67,11 +75,14 @@ def shard_bytes(data_dir):
             for split in ("train", "val") for s in meta["shards"][split]}
 
 
-def expect_error(capsys, fn, *words):
+def expect_error(capsys, fn, *words, alone=False):
+    """fn stops with exit code 2 and an "error: " line holding every word; alone: the only line on stderr."""
     with pytest.raises(SystemExit) as e:
         fn()
     assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 or not alone, lines
+    err = lines[-1]
     assert err.startswith("error: ")
     for w in words:
         assert w in err, err
@@ -119,142 +130,6 @@ def test_bytes_prepare_round_trip(tmp_path, corpus):
                   quiet=True)
     assert split_documents(out, "train", 256) == [tuple("a\ufffdb".encode())]
     assert sorted(os.listdir(out)) == ["meta.json", "train_000000.bin"]  # finished: no progress.json left
-
-
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
-    """The hub without a network, through huggingface_hub itself: HfApi (faked) lists the files of a repository
-    folder in a local cache, and the real hf_hub_download finds them there (HF_HUB_OFFLINE, HF_HUB_CACHE). Returns
-    put(repo_id, {filename: texts}, cached): cached=False leaves the file outside the cache until hf_hub_download is
-    called, as a download would."""
-    import huggingface_hub
-    from huggingface_hub import constants
-    cache, remote = tmp_path / "hf_cache", tmp_path / "remote"
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-
-    def snapshot(repo_id):
-        return cache / f"datasets--{repo_id.replace('/', '--')}" / "snapshots" / COMMIT
-
-    class Api:
-        endpoint, sha = "local", COMMIT
-
-        def dataset_info(self, repo_id, revision=None, timeout=None):
-            return types.SimpleNamespace(sha=self.sha)
-
-        def list_repo_files(self, repo_id, repo_type=None, revision=None):
-            assert revision == self.sha  # every file from the one commit that dataset_info named
-            return [str(f.relative_to(remote / repo_id)) for f in (remote / repo_id).rglob("*.parquet")]
-
-    real_download = huggingface_hub.hf_hub_download
-
-    def fetch(repo_id, filename):  # as huggingface_hub stores a file: a blob, and a link to it in the snapshot
-        blob = snapshot(repo_id).parent.parent / "blobs" / filename.replace("/", "_")
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(remote / repo_id / filename, blob)
-        (snapshot(repo_id) / filename).parent.mkdir(parents=True, exist_ok=True)
-        (snapshot(repo_id) / filename).symlink_to(blob)
-
-    def download(repo_id, filename, **kwargs):
-        if not (snapshot(repo_id) / filename).exists():
-            fetch(repo_id, filename)
-        return real_download(repo_id, filename, **kwargs)
-    monkeypatch.setattr(huggingface_hub, "HfApi", Api)
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
-
-    def put(repo_id, files, cached):
-        paths = []
-        for filename, texts in files.items():
-            paths.append(remote / repo_id / filename)
-            paths[-1].parent.mkdir(parents=True, exist_ok=True)
-            write_parquet(paths[-1], texts)
-            if cached:
-                fetch(repo_id, filename)
-        return paths, snapshot(repo_id)
-    return put
-
-
-def test_fineweb_edu_from_the_hub_is_its_files(tmp_path, hub):
-    """Listing, download, tokenize, delete through huggingface_hub: the shards are exactly those that the same parquet
-    files give as local sources, only the subset's files are read, and a downloaded file is deleted after use."""
-    docs = documents(30, seed=1)
-    files = {f"sample/10BT/{k:03d}_00000.parquet": docs[10 * k:10 * k + 10] for k in range(3)}
-    paths, snapshot = hub("HuggingFaceFW/fineweb-edu", files, cached=False)
-    hub("HuggingFaceFW/fineweb-edu", {"sample/100BT/000_00000.parquet": ["another subset"],
-                                      "data/CC-MAIN-2024-10/000_00000.parquet": ["a dump"]}, cached=False)
-    kw = dict(val_fraction=0.2, shard_size=100, quiet=True)
-    out = prepare("fineweb_edu", out_dir=str(tmp_path / "fw"), **kw)
-    local = prepare([str(f) for f in paths], out_dir=str(tmp_path / "loc"), **kw)
-    meta = load_meta(out)
-    assert (meta["source"], meta["subset"]) == ("fineweb_edu", "sample-10BT")
-    assert shard_bytes(out) == shard_bytes(local)
-    assert sorted(os.listdir(out)) == sorted(os.listdir(local))  # nothing else left in the folder
-    assert not list(snapshot.rglob("*.parquet")) and not os.listdir(snapshot.parent.parent / "blobs")  # deleted
-    few = prepare("fineweb_edu", out_dir=str(tmp_path / "few"), max_documents=12, quiet=True)
-    assert sum(load_meta(few)["documents"].values()) == 12
-    capped = prepare("fineweb_edu", out_dir=str(tmp_path / "cap"), max_tokens=200, quiet=True)
-    enc = get_tokenizer("gpt2")
-    lengths = np.cumsum([len(enc.encode_ordinary(d)) + 1 for d in docs])
-    assert sum(load_meta(capped)["tokens"].values()) == lengths[np.searchsorted(lengths, 200)]
-    assert not list(snapshot.rglob("*.parquet"))  # also the file the cut stopped in
-    other = prepare("fineweb_edu", subset="sample-100BT", out_dir=str(tmp_path / "100BT"), val_fraction=0.0,
-                    quiet=True)
-    assert split_documents(other, "train", 50256) == [tuple(enc.encode_ordinary("another subset"))]
-
-
-def test_openwebtext_from_the_hub_keeps_cached_files(tmp_path, hub, capsys):
-    """A file already in the user's cache is read from there and left in place; when the parquet conversion is
-    partial, that part is prepared with a warning."""
-    docs = documents(20, seed=2)
-    files = {f"plain_text/partial-train/{k:04d}.parquet": docs[10 * k:10 * k + 10] for k in range(2)}
-    paths, snapshot = hub("Skylion007/openwebtext", files, cached=True)
-    out = prepare("openwebtext", out_dir=str(tmp_path / "owt"), val_fraction=0.2, shard_size=100, quiet=True)
-    assert "only plain_text/partial-train/ exists" in capsys.readouterr().err
-    local = prepare([str(f) for f in paths], out_dir=str(tmp_path / "loc"), val_fraction=0.2, shard_size=100,
-                    quiet=True)
-    assert load_meta(out)["source"] == "openwebtext" and shard_bytes(out) == shard_bytes(local)
-    assert [f.name for f in sorted(snapshot.rglob("*.parquet")) if f.resolve().is_file()] == ["0000.parquet",
-                                                                                               "0001.parquet"]
-
-
-def test_hub_resume_reads_the_same_commit(tmp_path, hub, monkeypatch, capsys):
-    docs = documents(30, seed=4)
-    hub("HuggingFaceFW/fineweb-edu", {f"sample/10BT/{k:03d}_00000.parquet": docs[10 * k:10 * k + 10]
-                                      for k in range(3)}, cached=False)
-    kw = dict(val_fraction=0.2, shard_size=60, quiet=True)
-    reference = prepare("fineweb_edu", out_dir=str(tmp_path / "ref"), **kw)
-
-    def write(path, pieces):  # killed in the middle of the corpus
-        if path.endswith("train_000006.bin"):
-            raise KeyboardInterrupt
-        real_write(path, pieces)
-    real_write = prepare_data.write_shard
-    for name in ("run", "moved"):
-        monkeypatch.setattr(prepare_data, "write_shard", write)
-        with pytest.raises(KeyboardInterrupt):
-            prepare("fineweb_edu", out_dir=str(tmp_path / name), **kw)
-    monkeypatch.setattr(prepare_data, "write_shard", real_write)
-    assert len(json.load(open(tmp_path / "run" / "progress.json"))["shards"]["train"]) == 6  # kept on resuming
-    out = prepare("fineweb_edu", out_dir=str(tmp_path / "run"), **kw)
-    assert shard_bytes(out) == shard_bytes(reference) and load_meta(out) == load_meta(reference)
-    import huggingface_hub
-    monkeypatch.setattr(huggingface_hub.HfApi, "sha", "f" * 40)  # the dataset got a new commit meanwhile
-    expect_error(capsys, lambda: prepare("fineweb_edu", out_dir=str(tmp_path / "moved"), **kw),
-                 "the source files changed since the unfinished run", "delete the folder and start again")
-
-
-def test_hub_offline_fails_fast_in_one_line(tmp_path):
-    for args in (["fineweb_edu"], ["openwebtext", "--max_tokens=1000"]):
-        t0 = time.time()
-        r = subprocess.run([sys.executable, os.path.join(REPO, "prepare_data.py"), *args, "--out=d"], cwd=tmp_path,
-                           capture_output=True, text=True, env=dict(os.environ, HF_ENDPOINT="http://127.0.0.1:9"))
-        assert r.returncode == 2 and time.time() - t0 < 15
-        lines = r.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: cannot list ") and "127.0.0.1:9" in lines[0], lines
-        assert "check the network" in lines[0] and not (tmp_path / "d").exists()
 
 
 @pytest.mark.parametrize("crash", ["while writing", "after renaming"])
@@ -339,6 +214,288 @@ def test_builtin_is_offline_deterministic_and_named(tmp_path, monkeypatch):
     root, files = prepare_data.stdlib_files()
     assert files == sorted(files) and not any("site-packages" in f or f.startswith("test") for f in files)
     assert prepare_data.module_document(root, "json/__init__.py").startswith("Module json\n\nJSON (JavaScript Object")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the hub: huggingface_hub itself, unpatched, against a local server of the hub's API (tests/hub_server.py)
+
+FINEWEB, OWT, OWT_REVISION = "HuggingFaceFW/fineweb-edu", "Skylion007/openwebtext", "refs/convert/parquet"
+
+
+def publish(hub, tmp_path, repo_id, files, revision="main"):
+    """A commit of files ({name: texts or bytes}) in repo_id at revision on the hub, and the same bytes as local
+    files -> (the commit, {name: local path})."""
+    files = {name: data if isinstance(data, bytes) else parquet_bytes(data) for name, data in files.items()}
+    local = {}
+    for name, data in files.items():
+        local[name] = tmp_path / "local" / repo_id / name
+        local[name].parent.mkdir(parents=True, exist_ok=True)
+        local[name].write_bytes(data)
+    return hub.add(repo_id, files, revision), {name: str(path) for name, path in sorted(local.items())}
+
+
+class CurrentStderr:
+    """sys.stderr as it is at each write."""
+
+    def write(self, text):
+        return sys.stderr.write(text)
+
+    def flush(self):
+        sys.stderr.flush()
+
+
+@pytest.fixture
+def hub(tmp_path):
+    """A hub of the test's own that the real huggingface_hub talks to: HF_ENDPOINT points at it, HF_HUB_CACHE and
+    HF_HOME (the token file) into tmp_path, no token, no Xet, short timeouts. The runs are in this process: a
+    subprocess costs ~1.8 s (importing huggingface_hub, loading the tokenizer), and huggingface_hub reads these
+    variables once, into huggingface_hub.constants when it is imported, and from there at every call, so reloading
+    that module after setting them gives what a new process sees (test_hub_cli checks it in one)."""
+    import huggingface_hub.constants
+    import huggingface_hub.utils.logging
+    for handler in huggingface_hub.utils.logging.get_logger().handlers:  # it keeps the sys.stderr of its import,
+        handler.setStream(CurrentStderr())  # which pytest closes after that test: to each test's own instead
+    server = Hub()
+    with pytest.MonkeyPatch.context() as mp:
+        for key in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE"):
+            mp.delenv(key, raising=False)
+        for key, value in dict(HF_ENDPOINT=server.url, HF_HUB_CACHE=str(tmp_path / "hf_cache"),
+                               HF_HOME=str(tmp_path / "hf_home"), HF_HUB_DISABLE_TELEMETRY="1",
+                               HF_HUB_DISABLE_XET="1", HF_HUB_ETAG_TIMEOUT="5", HF_HUB_DOWNLOAD_TIMEOUT="5").items():
+            mp.setenv(key, value)
+        importlib.reload(huggingface_hub.constants)
+        try:
+            yield server
+        finally:
+            server.close()
+    importlib.reload(huggingface_hub.constants)
+    assert not server.errors, server.errors
+
+
+def test_fineweb_edu_from_the_hub_is_its_files(tmp_path, hub):
+    """Listing (in pages), download, tokenize, delete: the shards are exactly those that the same parquet files give
+    as local sources, only the subset's files are read, every request after the first names the commit that the
+    revision pointed to, a downloaded file is deleted after use, and --max_tokens downloads no further file."""
+    docs = documents(30, seed=1)
+    subset = {f"sample/10BT/{k:03d}_00000.parquet": docs[10 * k:10 * k + 10] for k in range(3)}
+    commit, local = publish(hub, tmp_path, FINEWEB, {**subset, "sample/100BT/000_00000.parquet": ["another subset"],
+                                                     "data/CC-MAIN-2024-10/000_00000.parquet": ["a dump"],
+                                                     "README.md": b"# FineWeb-Edu"})
+    kw = dict(val_fraction=0.2, shard_size=100, quiet=True)
+    out = prepare("fineweb_edu", out_dir=str(tmp_path / "fw"), **kw)
+    reference = prepare([local[name] for name in subset], out_dir=str(tmp_path / "loc"), **kw)
+    meta = load_meta(out)
+    assert (meta["source"], meta["subset"]) == ("fineweb_edu", "sample-10BT")
+    assert shard_bytes(out) == shard_bytes(reference)
+    assert sorted(os.listdir(out)) == sorted(os.listdir(reference))  # nothing else left in the folder
+    asked = [path for _, path, _ in hub.requests if path.startswith(("/api/datasets/", "/datasets/"))]
+    assert asked[0] == f"/api/datasets/{FINEWEB}/revision/main"
+    assert all(path.endswith(f"/{commit}") or f"/{commit}/" in path for path in asked[1:])
+    assert hub.count("GET", f"/api/datasets/{FINEWEB}/tree/{commit}") == 4  # 11 entries in pages of 3
+    assert hub.count("HEAD", f"/datasets/{FINEWEB}/resolve/{commit}/sample/10BT/") == hub.count("GET", "/cdn/") == 3
+    repo_cache = tmp_path / "hf_cache" / "datasets--HuggingFaceFW--fineweb-edu"
+    assert not [f for f in repo_cache.rglob("*") if not f.is_dir()]  # each download deleted after use
+    few = prepare("fineweb_edu", out_dir=str(tmp_path / "few"), max_documents=12, quiet=True)
+    assert sum(load_meta(few)["documents"].values()) == 12
+    hub.requests.clear()
+    capped = prepare("fineweb_edu", out_dir=str(tmp_path / "cap"), max_tokens=200, quiet=True)
+    enc = get_tokenizer("gpt2")
+    lengths = np.cumsum([len(enc.encode_ordinary(d)) + 1 for d in docs])
+    last = np.searchsorted(lengths, 200)  # the document at which the cut stops
+    assert sum(load_meta(capped)["tokens"].values()) == lengths[last]
+    assert last < 10 and hub.count("GET", "/cdn/") == 1  # stopped in the first file: the others never downloaded
+    assert not [f for f in repo_cache.rglob("*") if not f.is_dir()]  # also the file the cut stopped in
+    other = prepare("fineweb_edu", subset="sample-100BT", out_dir=str(tmp_path / "100BT"), val_fraction=0.0,
+                    quiet=True)
+    assert split_documents(other, "train", 50256) == [tuple(enc.encode_ordinary("another subset"))]
+
+
+def test_openwebtext_from_the_hub_reuses_the_cache(tmp_path, hub, capsys):
+    """Files already in the user's cache (put there by hf_hub_download, as `hf download` does) are read from there
+    and kept: runs list the files and download none. When the parquet conversion is partial, that part is prepared
+    with a warning. A finished folder asks the hub nothing."""
+    from huggingface_hub import hf_hub_download
+    docs = documents(20, seed=2)
+    commit, local = publish(hub, tmp_path, OWT, {f"plain_text/partial-train/{k:04d}.parquet": docs[10 * k:10 * k + 10]
+                                                 for k in range(2)}, revision=OWT_REVISION)
+    for name in local:
+        hf_hub_download(OWT, name, repo_type="dataset", revision=OWT_REVISION)
+    assert hub.count("GET", "/cdn/") == 2
+    hub.requests.clear()
+    kw = dict(val_fraction=0.2, shard_size=100, quiet=True)
+    out = prepare("openwebtext", out_dir=str(tmp_path / "owt"), **kw)
+    assert "only plain_text/partial-train/ exists" in capsys.readouterr().err
+    again = prepare("openwebtext", out_dir=str(tmp_path / "again"), **kw)
+    assert hub.count("GET", f"/api/datasets/{OWT}/revision/refs%2Fconvert%2Fparquet") == 2
+    assert hub.count("HEAD", "/datasets/") == hub.count("GET", "/cdn/") == 0  # two runs, nothing downloaded
+    reference = prepare(list(local.values()), out_dir=str(tmp_path / "loc"), **kw)
+    assert load_meta(out)["source"] == "openwebtext" and shard_bytes(out) == shard_bytes(reference)
+    assert shard_bytes(again) == shard_bytes(reference)
+    snapshot = tmp_path / "hf_cache" / "datasets--Skylion007--openwebtext" / "snapshots" / commit
+    assert sorted(f.name for f in snapshot.rglob("*.parquet") if f.resolve().is_file()) == ["0000.parquet",
+                                                                                           "0001.parquet"]
+    asked = len(hub.requests)
+    prepare("openwebtext", out_dir=out, **kw)
+    assert len(hub.requests) == asked  # already prepared: no request
+
+
+def test_hub_resume_reads_the_same_commit(tmp_path, hub, monkeypatch, capsys):
+    docs = documents(30, seed=4)
+    publish(hub, tmp_path, FINEWEB, {f"sample/10BT/{k:03d}_00000.parquet": docs[10 * k:10 * k + 10] for k in range(3)})
+    kw = dict(val_fraction=0.2, shard_size=60, quiet=True)
+    reference = prepare("fineweb_edu", out_dir=str(tmp_path / "ref"), **kw)
+
+    def write(path, pieces):  # killed in the middle of the corpus
+        if path.endswith("train_000006.bin"):
+            raise KeyboardInterrupt
+        real_write(path, pieces)
+    real_write = prepare_data.write_shard
+    for name in ("run", "moved"):
+        monkeypatch.setattr(prepare_data, "write_shard", write)
+        with pytest.raises(KeyboardInterrupt):
+            prepare("fineweb_edu", out_dir=str(tmp_path / name), **kw)
+    monkeypatch.setattr(prepare_data, "write_shard", real_write)
+    assert len(json.load(open(tmp_path / "run" / "progress.json"))["shards"]["train"]) == 6  # kept on resuming
+    out = prepare("fineweb_edu", out_dir=str(tmp_path / "run"), **kw)
+    assert shard_bytes(out) == shard_bytes(reference) and load_meta(out) == load_meta(reference)
+    publish(hub, tmp_path / "new", FINEWEB, {"sample/10BT/000_00000.parquet": ["a new commit"]})  # the dataset moved on
+    expect_error(capsys, lambda: prepare("fineweb_edu", out_dir=str(tmp_path / "moved"), **kw),
+                 "the source files changed since the unfinished run", "delete the folder and start again")
+
+
+def finished_shards(out_dir):
+    """{file: (inode, mtime)} of the shards that progress.json lists, and where the next chunk starts."""
+    progress = json.load(open(os.path.join(out_dir, "progress.json")))
+    files = [s["file"] for split in ("train", "val") for s in progress["shards"][split]]
+    assert sorted(files) == sorted(f for f in os.listdir(out_dir) if f.endswith(".bin"))  # no other shard
+    return {f: (os.stat(os.path.join(out_dir, f)).st_ino, os.stat(os.path.join(out_dir, f)).st_mtime_ns)
+            for f in files}, progress["next"]
+
+
+def test_hub_download_cut_off(tmp_path, hub, capsys, monkeypatch):
+    """A connection dropped in the middle of a file: the client resumes it with a Range request. When the hub answers
+    503 after the drop, the run ends in one line and keeps its finished shards; the rerun fetches that file again from
+    its start (the client keeps no partial file), and the shards hold every document exactly once."""
+    monkeypatch.setattr(prepare_data, "BATCH_CHARS", 200)  # batches much smaller than a file, as with the hub's files
+    docs = documents(30, seed=5)
+    big = parquet_bytes(docs[10:20], pad=11 << 20)  # over the 10 MB the client reads at a time: a part gets to disk
+    files = {"sample/10BT/000_00000.parquet": docs[:10], "sample/10BT/001_00000.parquet": big,
+             "sample/10BT/002_00000.parquet": docs[20:]}
+    _, local = publish(hub, tmp_path, FINEWEB, files)
+    kw = dict(val_fraction=0.2, shard_size=60, quiet=True)
+    reference = shard_bytes(prepare(list(local.values()), out_dir=str(tmp_path / "ref"), **kw))
+    big_url = f"/cdn/{hashlib.sha256(big).hexdigest()}"
+
+    hub.cut(big, after=len(big) - 1000)
+    assert shard_bytes(prepare("fineweb_edu", out_dir=str(tmp_path / "once"), **kw)) == reference
+    ranges = [headers.get("range") for _, path, headers in hub.requests if path == big_url]
+    assert len(ranges) == 2 and ranges[0] is None and 0 < int(ranges[1].removeprefix("bytes=").rstrip("-")) < len(big)
+    assert "Trying to resume download" in capsys.readouterr().err  # the client's own line
+
+    hub.requests.clear()
+    hub.cut(big, after=len(big) - 1000, then_status=503)
+    run = str(tmp_path / "run")
+    with pytest.raises(SystemExit) as e:
+        prepare("fineweb_edu", out_dir=run, **kw)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and not any("Traceback" in line for line in err)
+    assert err[-1].startswith("error: download of sample/10BT/001_00000.parquet from HuggingFaceFW/fineweb-edu failed "
+                              "(HTTP 503 ") and err[-1].endswith("rerun the same command later; the finished shards "
+                                                                 "are kept"), err
+    assert sum(line.startswith("error: ") for line in err) == 1
+    kept, start = finished_shards(run)
+    assert kept and start[0] == 0  # shards of the first file, nothing of the cut one
+    assert not list((tmp_path / "hf_cache").rglob("*.incomplete"))  # the client deleted its partial download
+    hub.status = None
+    hub.requests.clear()
+    assert shard_bytes(prepare("fineweb_edu", out_dir=run, **kw)) == reference  # every document once
+    assert [headers.get("range") for _, path, headers in hub.requests if path == big_url] == [None]
+    assert {f: (os.stat(os.path.join(run, f)).st_ino, os.stat(os.path.join(run, f)).st_mtime_ns) for f in kept} == kept
+
+
+def test_hub_file_that_is_not_parquet(tmp_path, hub, capsys, monkeypatch):
+    """A hub file whose bytes are no parquet file (a proxy's error page, say): one line naming it, nothing of it in a
+    shard, the earlier shards kept, the download deleted; the rerun fetches it again and stops at it again."""
+    monkeypatch.setattr(prepare_data, "BATCH_CHARS", 200)  # batches much smaller than a file, as with the hub's files
+    docs = documents(20, seed=6)
+    commit, _ = publish(hub, tmp_path, FINEWEB, {"sample/10BT/000_00000.parquet": docs[:10],
+                                                 "sample/10BT/001_00000.parquet": b"<html>Too many requests</html>",
+                                                 "sample/10BT/002_00000.parquet": docs[10:]})
+    run = str(tmp_path / "run")
+    kept = None
+    for attempt in range(2):
+        expect_error(capsys, lambda: prepare("fineweb_edu", out_dir=run, val_fraction=0.2, shard_size=60, quiet=True),
+                     f"hf://datasets/{FINEWEB}@{commit}/sample/10BT/001_00000.parquet is not a readable parquet file",
+                     "the download is deleted; rerun to fetch it again", alone=True)
+        shards, start = finished_shards(run)
+        assert shards and start[0] == 0 and shards == (kept or shards)
+        kept = shards
+        assert not [f for f in (tmp_path / "hf_cache" / "datasets--HuggingFaceFW--fineweb-edu").rglob("*")
+                    if not f.is_dir()]  # the download deleted
+    assert hub.count("GET", "/cdn/") == 4  # both runs: the first file (to redo its unfinished chunk), the bad one
+
+
+@pytest.mark.parametrize("case", ["gated", "no repo", "no revision", "hub down", "refused"])
+def test_hub_errors_are_one_line_naming_the_fix(tmp_path, hub, capsys, monkeypatch, case):
+    """Each within seconds (huggingface_hub's retries of a listing take ~25 s: the first request has none), with
+    nothing written but the gated run's progress.json; with HF_TOKEN the gated dataset is read, the token sent to the
+    hub as a bearer token (not to the file host), and printed nowhere."""
+    docs = documents(10, seed=7)
+    if case != "no repo":
+        publish(hub, tmp_path, OWT, {"plain_text/train/0000.parquet": docs},
+                revision="main" if case == "no revision" else OWT_REVISION)
+    hub.token = "hf_gatedsecret" if case == "gated" else None
+    hub.status = 500 if case == "hub down" else None
+    if case == "refused":
+        hub.close()
+    words = {"gated": ["download of plain_text/train/0000.parquet from Skylion007/openwebtext failed (HTTP 401 Access "
+                       "to dataset Skylion007/openwebtext is restricted", "set HF_TOKEN to a token of an account that "
+                       "may read Skylion007/openwebtext"],
+             "no repo": [f"cannot list {OWT}@{OWT_REVISION}'s files at {hub.url} (HTTP 404 Repository not found: "
+                         f"{OWT}): check HF_ENDPOINT (now {hub.url})"],
+             "no revision": [f"(HTTP 404 Invalid rev id: {OWT_REVISION}): check HF_ENDPOINT"],
+             "hub down": ["(HTTP 500 the hub is down): the hub is not answering; rerun the same command later"],
+             "refused": [f"cannot list {OWT}@{OWT_REVISION}'s files at {hub.url} (", "check the network and "
+                         f"HF_ENDPOINT (now {hub.url}), then rerun"]}[case]
+    out = tmp_path / "owt"
+    t0 = time.monotonic()
+    expect_error(capsys, lambda: prepare("openwebtext", out_dir=str(out), quiet=True), *words, alone=True)
+    assert time.monotonic() - t0 < 10
+    if case == "hub down":
+        assert hub.count("GET", f"/api/datasets/{OWT}/") == 1  # asked once, not retried
+    if case == "gated":
+        assert os.listdir(out) == ["progress.json"]  # the listing passed; stopped at the first download
+    else:
+        assert not out.exists()
+    if case == "gated":
+        monkeypatch.setenv("HF_TOKEN", hub.token)
+        hub.requests.clear()
+        out = prepare("openwebtext", out_dir=str(out), quiet=True)
+        assert sum(load_meta(out)["documents"].values()) == len(docs)
+        sent = {(path.split("/")[1], headers.get("authorization")) for _, path, headers in hub.requests
+                if not path.startswith("/api/agent-harnesses")}
+        assert sent == {("api", "Bearer hf_gatedsecret"), ("datasets", "Bearer hf_gatedsecret"), ("cdn", None)}
+        assert hub.token not in "".join(capsys.readouterr())
+
+
+def test_hub_cli(tmp_path, hub):
+    """The command in a process of its own, where huggingface_hub reads HF_ENDPOINT and HF_HUB_CACHE at its import:
+    a gated dataset read with HF_TOKEN, which the output never shows."""
+    docs = documents(20, seed=8)
+    _, local = publish(hub, tmp_path, FINEWEB, {f"sample/10BT/{k:03d}_00000.parquet": docs[10 * k:10 * k + 10]
+                                                for k in range(2)})
+    hub.token = "hf_clisecret"
+    r = subprocess.run([sys.executable, os.path.join(REPO, "prepare_data.py"), "fineweb_edu", "--out=d",
+                        "--val_fraction=0.2", "--shard_size=100"], cwd=tmp_path, capture_output=True, text=True,
+                       env=dict(os.environ, HF_TOKEN=hub.token))  # the fixture's HF_ENDPOINT, HF_HUB_CACHE, ...
+    assert r.returncode == 0, r.stderr
+    assert hub.token not in r.stdout + r.stderr and "d train: " in r.stdout
+    assert hub.count("HEAD", f"/datasets/{FINEWEB}/resolve/") == hub.count("GET", "/cdn/") == 2
+    assert {headers.get("authorization") for _, path, headers in hub.requests
+            if path.startswith("/datasets/")} == {"Bearer hf_clisecret"}
+    reference = prepare(list(local.values()), out_dir=str(tmp_path / "loc"), val_fraction=0.2, shard_size=100,
+                        quiet=True)
+    assert shard_bytes(str(tmp_path / "d")) == shard_bytes(reference)
 
 
 # ---------------------------------------------------------------------------------------------------------------
