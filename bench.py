@@ -3,15 +3,20 @@ Measure a looped GPT on synthetic tokens: training throughput and MFU, and gener
 KV cache for 1 and batch_size sequences, the cached step against its memory floor. No dataset or checkpoint needed.
 
     python bench.py                                        # 2 blocks x 4 loops, n_embd 256, block_size 256, batch 8
-    python bench.py --compare_dtypes=True                  # float32, bfloat16, bfloat16 compiled: rows and ratios
+    python bench.py --compare_dtypes=True                  # float32, bfloat16, bfloat16 compiled: training, ratios
     python bench.py --compare_depths=True --gen_tokens=0   # and 8 blocks x 1 loop, same FLOPs: the ratio
     python bench.py --tuned_malloc=False                   # glibc's default allocator policy (see common.tune_malloc)
     python bench.py --compile=True --n_layer=6 --n_loop=2 --n_head=12 --n_embd=768 --block_size=1024 --batch_size=12
                                                            # config/loop_small.py's model
 
 Training: warm-up steps first (they include torch.compile's compilation and the allocator's first requests), then
-the median of the timed steps, each a forward, a backward and an AdamW step; the models compared take turns step by
-step. Generation: gen_tokens new tokens after a gen_prompt_len-token prompt, for 1 sequence and for batch_size
+the median of the timed steps, each a forward, a backward and an AdamW step; the models of one precision compared
+(compare_depths) take turns step by step. A comparison of precisions trains one precision after another and prints
+each one's rows as soon as it is measured; it benches training only, within about compare_seconds in all: a
+precision whose steps so far show that another round would end past its share (a third) skips the rest of its
+warm-up, and is timed on fewer steps (one at least). On a CPU that emulates bfloat16 (about 0.1x float32's speed)
+its steps are that much slower; torch.compile's compilation, which on a CPU can take a minute by itself, is not cut.
+Generation: gen_tokens new tokens after a gen_prompt_len-token prompt, for 1 sequence and for batch_size
 sequences, once with the KV cache and once recomputing the context at every step; compiled models generate compiled.
 A cached decode step is memory-bound: its floor is the bytes of weights and cache it must read
 (GPT.decode_step_bytes, at the mean cache length of the generation) over the memory's read bandwidth, measured here.
@@ -55,6 +60,7 @@ gen_tokens = 200  # new tokens per sequence in the generation benchmark; 0 skips
 gen_prompt_len = 16  # keep gen_prompt_len + gen_tokens <= block_size, or the cache is rebuilt once the window slides
 compare_depths = False  # also bench n_layer * n_loop blocks x 1 loop (same unrolled FLOPs) and print the ratio
 compare_dtypes = False  # bench float32, bfloat16 and bfloat16 compiled side by side (instead of dtype and compile)
+compare_seconds = 60.0  # about how long compare_dtypes takes in all, a third for each precision (see above)
 tuned_malloc = True  # False keeps glibc's default allocator policy, to measure what common.tune_malloc gains
 peak_flops = 0.0  # for MFU; 0 picks a default for the device (default_peak_flops below)
 seed = 1337
@@ -64,8 +70,10 @@ compile = None  # torch.compile the model (warm-up steps absorb the compilation)
 compile_backend = "inductor"  # torch.compile's backend; "eager" checks the graph capture without the compiler's time
 configure(globals(), sys.argv[1:])
 
-if warmup_steps < 0 or timed_steps < 1 or gen_tokens < 0 or not 1 <= gen_prompt_len <= block_size:
-    die("need --warmup_steps >= 0, --timed_steps >= 1, --gen_tokens >= 0 and 1 <= --gen_prompt_len <= block_size")
+if (warmup_steps < 0 or timed_steps < 1 or gen_tokens < 0 or not 1 <= gen_prompt_len <= block_size
+        or compare_seconds < 0):
+    die("need --warmup_steps >= 0, --timed_steps >= 1, --gen_tokens >= 0, 1 <= --gen_prompt_len <= block_size and "
+        "--compare_seconds >= 0")
 malloc_line = "allocator: glibc malloc keeps freed memory (common.tune_malloc)" if tuned_malloc and tune_malloc() \
     else "allocator: the C library's defaults"
 device_type = device.split(":")[0]
@@ -121,6 +129,29 @@ def train_step(model, optimizer, scaler, ctx, x, y):
     return time.perf_counter() - t0
 
 
+def train_steps(runs, x, y, share):
+    """(median seconds of a training step of each run, the steps timed): warmup_steps untimed, then timed_steps
+    timed, the runs taking turns step by step, so that a change in load slows them alike. Once another round like
+    the last would end past `share` seconds from the start, the rest of the warm-up is skipped, and the timing stops
+    as soon as one step is timed."""
+    times = [[] for _ in runs]
+    start, step = time.perf_counter(), 0
+    while step < warmup_steps + timed_steps:
+        round_start = time.perf_counter()
+        for (model, optimizer, scaler, ctx, _), run_times in zip(runs, times):
+            dt = train_step(model, optimizer, scaler, ctx, x, y)
+            if step >= warmup_steps:
+                run_times.append(dt)
+        step += 1
+        now = time.perf_counter()
+        if now - start + (now - round_start) > share:
+            if step < warmup_steps:
+                step = warmup_steps
+            elif times[0]:
+                break
+    return [statistics.median(run_times) for run_times in times], len(times[0])
+
+
 def generation_step(model, ctx, prompt, use_cache):
     """Seconds per step of model.generate (one new token for each of the prompt's sequences)."""
     with ctx:
@@ -151,53 +182,52 @@ def read_bandwidth():
 
 print(f"{malloc_line}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs, "
       f"torch threads {torch.get_num_threads()}")
-if not compare_dtypes:
+share = compare_seconds / len(precisions) if compare_dtypes else math.inf  # each precision's time to train
+if compare_dtypes:
+    print(f"compare_dtypes: training only (generation: one precision at a time, by --dtype and --compile), each "
+          f"precision in turn in about {share:.0f} s of compare_seconds={compare_seconds:g} (compiling is not cut)",
+          flush=True)
+else:
     print(f"dtype {dtype}: {dtype_reason}")
-runs = [build(*depth, *precision) for depth in depths for precision in precisions]
 # one fixed random batch: the speed of a step does not depend on which tokens it sees
 x = torch.randint(vocab_size, (batch_size, block_size), device=device)
 y = torch.randint(vocab_size, (batch_size, block_size), device=device)
-# The models compared take turns step by step, so that a change in load on a shared machine slows both alike.
-step_times = [[] for _ in runs]
-for step in range(warmup_steps + timed_steps):
-    for (model, optimizer, scaler, ctx, _), times in zip(runs, step_times):
-        dt = train_step(model, optimizer, scaler, ctx, x, y)
-        if step >= warmup_steps:
-            times.append(dt)
-
 tokens_per_step = batch_size * block_size
-throughput = []
-for (model, optimizer, _, ctx, line), times in zip(runs, step_times):
-    dt = statistics.median(times)
-    throughput.append(tokens_per_step / dt)
-    mfu = model.estimate_mfu(tokens_per_step, dt, peak)
-    print(line)
-    print(f"train: {tokens_per_step / dt:.0f} tokens/s, {dt * 1000:.1f} ms/step (median of {timed_steps}), "
-          f"MFU {mfu * 100:.2f}% of {peak / 1e9:.0f} GFLOP/s")
-    if gen_tokens:
-        optimizer.state.clear()  # frees the AdamW moments before generation
-        model.eval()
-        bandwidth = read_bandwidth()
-        print(f"memory: reads {bandwidth / 1e9:.1f} GB/s (best of sums and vector-matrix products over 256 MiB)")
-        for sequences in sorted({1, batch_size}):
-            prompt = torch.randint(vocab_size, (sequences, gen_prompt_len), device=device)
-            cached, uncached = (generation_step(model, ctx, prompt, use_cache) for use_cache in (True, False))
-            step_bytes = model.decode_step_bytes(sequences, gen_prompt_len + gen_tokens / 2,
-                                                 getattr(torch, dtype).itemsize)
-            floor = step_bytes / bandwidth
-            print(f"generate: {gen_tokens} new tokens x {sequences} sequence{'s' if sequences > 1 else ''}: "
-                  f"cached {cached * 1e3:.2f} ms/step ({sequences / cached:.1f} tokens/s), uncached "
-                  f"{uncached * 1e3:.2f} ms/step ({sequences / uncached:.1f} tokens/s), cache speed-up "
-                  f"{uncached / cached:.1f}x; a cached step reads {step_bytes / 1e6:.3g} MB: floor "
-                  f"{floor * 1e3:.3g} ms, cached step {cached / floor:.2f}x the floor")
-    sys.stdout.flush()
+throughput = []  # tokens/s of each model, precision by precision, each at every depth
+for precision in precisions:
+    runs = [build(*depth, *precision) for depth in depths]
+    seconds, timed = train_steps(runs, x, y, share)
+    for (model, optimizer, _, ctx, line), dt in zip(runs, seconds):
+        throughput.append(tokens_per_step / dt)
+        mfu = model.estimate_mfu(tokens_per_step, dt, peak)
+        print(line)
+        print(f"train: {tokens_per_step / dt:.0f} tokens/s, {dt * 1000:.1f} ms/step (median of {timed}), "
+              f"MFU {mfu * 100:.2f}% of {peak / 1e9:.0f} GFLOP/s")
+        if gen_tokens and not compare_dtypes:
+            optimizer.state.clear()  # frees the AdamW moments before generation
+            model.eval()
+            bandwidth = read_bandwidth()
+            print(f"memory: reads {bandwidth / 1e9:.1f} GB/s (best of sums and vector-matrix products over 256 MiB)")
+            for sequences in sorted({1, batch_size}):
+                prompt = torch.randint(vocab_size, (sequences, gen_prompt_len), device=device)
+                cached, uncached = (generation_step(model, ctx, prompt, use_cache) for use_cache in (True, False))
+                step_bytes = model.decode_step_bytes(sequences, gen_prompt_len + gen_tokens / 2,
+                                                     getattr(torch, dtype).itemsize)
+                floor = step_bytes / bandwidth
+                print(f"generate: {gen_tokens} new tokens x {sequences} sequence{'s' if sequences > 1 else ''}: "
+                      f"cached {cached * 1e3:.2f} ms/step ({sequences / cached:.1f} tokens/s), uncached "
+                      f"{uncached * 1e3:.2f} ms/step ({sequences / uncached:.1f} tokens/s), cache speed-up "
+                      f"{uncached / cached:.1f}x; a cached step reads {step_bytes / 1e6:.3g} MB: floor "
+                      f"{floor * 1e3:.3g} ms, cached step {cached / floor:.2f}x the floor")
+        sys.stdout.flush()
+    del runs, model, optimizer  # this precision's models and optimizer states, before the next precision's
 if compare_dtypes:
     for depth in range(len(depths)):
-        row = throughput[depth * len(precisions):(depth + 1) * len(precisions)]
+        row = throughput[depth::len(depths)]
         print(f"compare: n_layer={depths[depth][0]} x n_loop={depths[depth][1]}: bfloat16 trains at "
               f"{row[1] / row[0]:.2f}x the tokens/s of float32, bfloat16 compiled at {row[2] / row[0]:.2f}x")
 if compare_depths:
-    looped, untied = throughput[0], throughput[len(precisions)]
+    looped, untied = throughput[0], throughput[1]  # the first precision's two depths
     print(f"compare: n_layer={n_layer} x n_loop={n_loop} trains at {looped / untied:.3f}x the tokens/s "
           f"of n_layer={n_layer * n_loop} x n_loop=1 (same unrolled FLOPs)"
           f"{' (float32)' if compare_dtypes else ''}")

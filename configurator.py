@@ -5,8 +5,10 @@ nanoGPT-style configuration: a script keeps its settings as plain module-level v
     configure(globals(), sys.argv[1:])
 
 which runs the config files named on the command line (python files of `key = value` lines), then applies the
-`--key=value` overrides. Values are read with ast.literal_eval, never eval; a value that is no Python literal is taken
-as a bare string (`--dataset=builtin`). Anything wrong stops the script with one line on stderr and exit code 2.
+`--key=value` overrides, and returns the settings. Values are read with ast.literal_eval, never eval; a value that
+is no Python literal is taken as a bare string (`--dataset=builtin`). Anything wrong stops the script with one line
+on stderr and exit code 2. A script that must tell a setting given from its default (sweep.py, where a given one
+overrides a mode's own budget) passes a set as `given`: it receives the keys that the files and overrides set.
 """
 
 import ast
@@ -35,7 +37,7 @@ def _checked(key, value, config, source):
         f"got {type(value).__name__} {value!r}")
 
 
-def configure(namespace, argv):
+def configure(namespace, argv, given=None):
     config = {k: v for k, v in namespace.items() if not k.startswith("_") and isinstance(v, SIMPLE_TYPES)}
     for arg in argv:
         if not arg.startswith("--"):
@@ -47,6 +49,8 @@ def configure(namespace, argv):
             for key, value in settings.items():
                 if not key.startswith("_") and isinstance(value, SIMPLE_TYPES):
                     config[key] = namespace[key] = _checked(key, value, config, arg)
+                    if given is not None:
+                        given.add(key)
             continue
         key, eq, text = arg[2:].partition("=")
         if not eq:
@@ -58,4 +62,6 @@ def configure(namespace, argv):
         if isinstance(config.get(key), str) and not isinstance(value, str):
             value = text  # a string setting keeps what was typed, e.g. --out_dir=2024
         config[key] = namespace[key] = _checked(key, value, config, f"--{key}")
+        if given is not None:
+            given.add(key)
     return config

@@ -5,7 +5,8 @@ with and at others (test-time depth), beside the best shortcut, and a few of its
     python depth_eval.py --out_dir=out-depth
     python depth_eval.py --out_dir=out-depth --loops=1,2,4,8,16 --examples=2
 
-The val batches are the ones train.py evaluates on, so the trained loop count reproduces the run's last accuracy.
+The val batches are the ones train.py evaluates on, in the precision it evaluates in (the run's dtype, under
+autocast: tasks.run_precision), so the trained loop count reproduces the run's last accuracy.
 """
 
 import sys
@@ -15,13 +16,15 @@ import torch
 from configurator import configure, die
 from dataset import EVAL_SEED
 from model import GPT, MAX_LOOPS
-from tasks import TASKS, best_shortcut, evaluate, format_by_k, make_task, shortcuts
+from tasks import TASKS, best_shortcut, evaluate, format_by_k, make_task, run_precision, shortcuts
 
 out_dir = "out-depth"  # the train.py run: reads out_dir/ckpt.pt
 loops = ""             # loop counts to evaluate at, comma-separated; "" = the trained count only
 examples = 2           # solved and failed answers shown at each k that has both (0: none)
 device = "cpu"
 configure(globals(), sys.argv[1:])
+if examples < 0:
+    die(f"--examples must be >= 0 (answers shown at each k; 0: none), got {examples}")
 
 try:
     model, checkpoint = GPT.from_checkpoint(f"{out_dir}/ckpt.pt", device)
@@ -37,6 +40,7 @@ except ValueError:
     die(f"loops must be comma-separated ints like 1,2,4,8, got {loops!r}")
 if not all(1 <= c <= MAX_LOOPS for c in loop_counts):
     die(f"loop counts must be from 1 to {MAX_LOOPS} (model.MAX_LOOPS), got {loops!r}")
+dtype, autocast = run_precision(checkpoint, device)
 task = make_task(config, "val", EVAL_SEED)
 n_batches, batch_size = config["eval_iters"], config["batch_size"]
 
@@ -44,16 +48,16 @@ x, y = zip(*(task.batch(index, batch_size) for index in range(n_batches)))
 x, y = torch.cat(x), torch.cat(y)
 print(f"{out_dir}: {model.config.n_layer} blocks x {model.config.n_loop} loops ({model.config.residual}), trained "
       f"{checkpoint['iter_num']} steps on {task.name}; val accuracy by k = 1..{task.max_hops} over {len(x)} "
-      f"sequences")
+      f"sequences, in {dtype} as the run evaluated")
 print(f"{'best shortcut':>16}: {format_by_k(best_shortcut(shortcuts(task, x, y)))}")
 for n_loop in loop_counts:
-    accuracy = evaluate(model, task, n_batches, batch_size, n_loop)
+    accuracy = evaluate(model, task, n_batches, batch_size, n_loop, autocast)
     trained = " (trained)" if n_loop == model.config.n_loop else ""
     print(f"{f'{n_loop} loops{trained}':>16}: {format_by_k(accuracy)}")
 
 if examples:
     # the first sequences' answers at each k, solved and failed, at the trained loop count
-    with torch.no_grad():
+    with torch.no_grad(), autocast:
         prediction = model(x[:64].to(device))[0].argmax(-1).cpu()
     k = task.hops(x[:64])
     print(f"\nexamples at {model.config.n_loop} loops: the chain of pointers back to its value, and the model's answer")

@@ -57,6 +57,7 @@ from configurator import configure, die
 from common import precision, tune_malloc
 from dataset import get_tokenizer
 from model import GPT, MAX_LOOPS
+from tasks import require_text
 
 out_dir = "out"  # the train.py run to evaluate: reads out_dir/ckpt.pt, writes the results JSON there
 tasks = "arc_easy,arc_challenge,hellaswag,piqa,winogrande,boolq,openbookqa,lambada_openai"  # comma list
@@ -240,6 +241,7 @@ if __name__ == "__main__":
         die(f"--include_path={include_path} is not a folder; point it at a folder of task YAML files")
     try:
         model, checkpoint = GPT.from_checkpoint(os.path.join(out_dir, "ckpt.pt"), device)
+        require_text(checkpoint, out_dir)
         dtype, dtype_reason, autocast = precision(device, dtype, model.config.n_embd, model.config.block_size)
     except (ValueError, FileNotFoundError) as e:
         die(str(e))

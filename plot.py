@@ -109,12 +109,16 @@ if __name__ == "__main__":
             ax_task[0].plot([int(k) for k in ks], [shortcut[k] for k in ks], "--", color=color, lw=1)
         evals = [r for r in evals if "val_loss_by_loops" in r]  # runs from before train.py's eval_loops have none
         if evals:
-            loop_counts = list(evals[-1]["val_loss_by_loops"])
+            # a run resumed with other eval_loops has other loop counts before and after: each count's line has the
+            # evaluations that ran it
+            loop_counts = sorted({loops for r in evals for loops in r["val_loss_by_loops"]}, key=int)
             for i, loops in enumerate(loop_counts):
-                ax_depth.plot([r["tokens"] for r in evals], [r["val_loss_by_loops"][loops] for r in evals], "o-",
+                points = [r for r in evals if loops in r["val_loss_by_loops"]]
+                ax_depth.plot([r["tokens"] for r in points], [r["val_loss_by_loops"][loops] for r in points], "o-",
                               color=color, ms=2, lw=1, alpha=1 - 0.7 * i / len(loop_counts),
                               label=f"{label}: {', '.join(loop_counts)} loops" if i == 0 else None)
-            ax_last.plot([int(loops) for loops in loop_counts], list(evals[-1]["val_loss_by_loops"].values()), "o-",
+            last = evals[-1]["val_loss_by_loops"]
+            ax_last.plot(sorted(map(int, last)), [last[loops] for loops in sorted(last, key=int)], "o-",
                          color=color, ms=4, label=f"{label}: step {evals[-1]['iter']}")
     ax_loss.set(xlabel="tokens", ylabel="loss (nats)", title="train and val loss")
     ax_kappa.set(xlabel="tokens", ylabel="kappa_R", title="kappa_R per block (paler: later blocks)")

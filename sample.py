@@ -20,7 +20,7 @@ from common import precision, tune_malloc
 from configurator import configure, die
 from dataset import get_tokenizer, valid_text
 from model import GPT, MAX_LOOPS
-from tasks import TASKS
+from tasks import require_text
 
 out_dir = "out"  # the train.py run to sample from: reads out_dir/ckpt.pt
 start = "\n"  # the prompt, or "FILE:path" to read it from a file; "" starts at a document boundary
@@ -58,13 +58,11 @@ if start.startswith("FILE:"):
 
 try:
     model, checkpoint = GPT.from_checkpoint(f"{out_dir}/ckpt.pt", device)
+    require_text(checkpoint, out_dir)
     dtype, dtype_reason, ctx = precision(device, dtype, model.config.n_embd, model.config.block_size)
 except (FileNotFoundError, ValueError) as e:
     die(str(e))
 model.eval()
-if checkpoint["config"].get("dataset") in TASKS:
-    die(f"{out_dir} was trained on the {checkpoint['config']['dataset']} task, not on text: show its answers with "
-        f"python depth_eval.py --out_dir={out_dir}")
 try:
     enc = get_tokenizer(checkpoint["tokenizer"])
 except (ValueError, FileNotFoundError) as e:

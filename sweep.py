@@ -10,9 +10,10 @@ is measured here is exactly what train.py does. Three modes share the runs, the 
     python sweep.py --mode=depth      # where depth is the bottleneck: accuracy by k on pointer chains (tasks.py)
 
 The depth mode is apart from the other three: its runs train config/depth_cpu.py on a smaller budget (BUDGETS;
-the settings of the model and the budget given to sweep.py on the command line override both), scheme `untied` is
-the control with n_layer * R blocks run once (Pre-LN, R times the parameters), and its results are accuracy by k
-instead of loss; see the end of the file and docs/depth_task.md. The transfer mode runs on the depth task too:
+the settings of the model and the budget given to sweep.py, in a config file or on the command line, override
+both), scheme `untied` is the control with n_layer * R blocks run once (Pre-LN, R times the parameters), and its
+results are accuracy by k instead of loss; see the end of the file and docs/depth_task.md. The transfer mode runs
+on the depth task too:
 
     python sweep.py --mode=transfer --dataset=chains   # best rates by accuracy at the hardest k, not by val loss
 
@@ -35,6 +36,7 @@ goes almost entirely to the output layer, and in the minutes a sweep has every s
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 import time
@@ -71,7 +73,8 @@ max_iters = 400           # the token budget: max_iters * batch_size * block_siz
 warmup_iters = 100        # Post-LN needs a real warmup: with 30, every Post-LN scheme stalled at unigram level
 eval_iters = 20
 dtype = "auto"            # one precision for every run; auto: measured once here (common.choose_dtype)
-config = configure(globals(), sys.argv[1:])
+given = set()             # the settings that config files and --key=value overrides set (configurator)
+config = configure(globals(), sys.argv[1:], given)
 # -----------------------------------------------------------------------------------------------------------------
 
 MODES = {
@@ -92,7 +95,7 @@ MODES = {
 }
 DEPTH_CONFIG = "config/depth_cpu.py"  # what every run on the depth task (--dataset=chains) trains, before the grid
 # Budgets of their own, where a mode's grid would not fit its time on 2 cores with the settings above (the depth task:
-# config/depth_cpu.py's 1,500 x 64 sequences); settings given on the command line override them.
+# config/depth_cpu.py's 1,500 x 64 sequences); settings given in a config file or on the command line override them.
 BUDGETS = {
     "transfer": dict(batch_size=4, max_iters=300),  # 288 runs, 84.5 min of run time: 42 min (400 x 8: ~80)
     "depth": dict(batch_size=32, max_iters=500, warmup_iters=100),  # 90 runs in 27 min (at 600 steps: 32)
@@ -112,10 +115,11 @@ if on_chains and mode not in ("depth", "transfer"):
         f"use a text dataset such as builtin_bytes")
 grid_name = mode + (" on chains" if mode == "transfer" and on_chains else "")  # its grid (MODES) and budget (BUDGETS)
 out_dir = out_dir or f"out-sweep-{mode}" + ("-chains" if mode == "transfer" and on_chains else "")
-given = {k: config[k] for k in MODEL_AND_BUDGET if any(a.startswith(f"--{k}=") for a in sys.argv[1:])}
-mode_budget = dict(BUDGETS.get(grid_name, {}), **given)
-if not on_chains:
-    globals().update(mode_budget)  # the model and budget settings above, as every run of this sweep gets them
+mode_budget = dict(BUDGETS.get(grid_name, {}), **{k: config[k] for k in MODEL_AND_BUDGET if k in given})
+if on_chains:  # the runs train DEPTH_CONFIG's model and budget where neither BUDGETS nor the user say otherwise
+    depth_config = runpy.run_path(DEPTH_CONFIG)
+    globals().update({k: depth_config[k] for k in MODEL_AND_BUDGET})
+globals().update(mode_budget)  # the model and budget settings above, as every run of this sweep gets them
 
 
 def number_list(name, kind):
@@ -212,11 +216,12 @@ def train(scheme, n_loop, exponent, lr, seed):
 
 def depth_result(run_dir, records, final):
     """A depth-task run's figures: val accuracy by k at the end, the best shortcut by k, and (depth mode) the
-    accuracy by k at other loop counts (test-time depth: each of the sweep's loop counts, and twice the largest)."""
+    accuracy by k at other loop counts (test-time depth: each of the sweep's loop counts, and twice the largest), in
+    the run's precision as train.py evaluates (tasks.run_precision): at its own loop count, the run's accuracy."""
     import torch
     from model import GPT
     from dataset import EVAL_SEED
-    from tasks import best_shortcut, evaluate, make_task
+    from tasks import best_shortcut, evaluate, make_task, run_precision
     start = [r for r in records if r["type"] == "start"][-1]
     result = dict(accuracy=final["accuracy"] if final else None, shortcut=best_shortcut(start["shortcuts"]),
                   test_time={})
@@ -224,9 +229,10 @@ def depth_result(run_dir, records, final):
         torch.set_num_threads(1)
         model, checkpoint = GPT.from_checkpoint(os.path.join(run_dir, "ckpt.pt"))
         task = make_task(checkpoint["config"], "val", EVAL_SEED)
+        _, autocast = run_precision(checkpoint, "cpu")
         for loops in sorted(set(loop_list) | {2 * max(loop_list)}):
             result["test_time"][str(loops)] = evaluate(model, task, checkpoint["config"]["eval_iters"],
-                                                       checkpoint["config"]["batch_size"], loops)
+                                                       checkpoint["config"]["batch_size"], loops, autocast)
     return result
 
 
@@ -270,16 +276,23 @@ def sweep_dtype():
 
 
 t_start = time.time()
-run_dtype, dtype_reason = sweep_dtype()
-print(f"dtype {run_dtype} for every run: {dtype_reason}")
-if not on_chains:
-    data_dir = prepare_builtin_if_missing(dataset)  # once, here: parallel runs must not all start preparing it
-    floor = unigram_floor(data_dir)
-    unit = "byte" if load_meta(data_dir)["tokenizer"] == "bytes" else "token"
-    print(f"unigram floor of data/{dataset} (train split): {floor:.4f} nats per {unit}; a run has escaped it when "
-          f"its final val loss is below {floor - escape_margin:.4f}")
 grid = [(s, r, p, lr, seed) for s in scheme_list for r in loop_list for p in exponent_list for lr in lr_list
         for seed in seed_list if (s, r) != ("untied", 1)]  # untied at R = 1 is Pre-LN at R = 1
+if not grid:
+    die("the grid has no runs: untied at R = 1 would be Pre-LN at R = 1, so it runs at loop counts above 1 only; "
+        "add one to --loops")
+if not on_chains:
+    data_dir = prepare_builtin_if_missing(dataset)  # once, here: parallel runs must not all start preparing it
+    try:
+        meta = load_meta(data_dir)
+    except (FileNotFoundError, ValueError) as e:
+        die(str(e))
+    floor = unigram_floor(data_dir)
+    unit = "byte" if meta["tokenizer"] == "bytes" else "token"
+    print(f"unigram floor of data/{dataset} (train split): {floor:.4f} nats per {unit}; a run has escaped it when "
+          f"its final val loss is below {floor - escape_margin:.4f}")
+run_dtype, dtype_reason = sweep_dtype()
+print(f"dtype {run_dtype} for every run: {dtype_reason}")
 jobs = sorted(grid, key=lambda job: -job[1])  # the deepest runs first: the last minutes are not one run on one core
 if on_chains:
     budget = f"{DEPTH_CONFIG} with " + ", ".join(f"{k}={v}" for k, v in mode_budget.items())
@@ -446,11 +459,21 @@ for (s, r, p, lr), st in stats.items():
 
 
 def best_rate(s, r, p):
-    """The rate with the best mean score over all seeds (lowest loss, highest accuracy), or None; a rate where any
-    run diverged is not eligible. A tie goes to the lowest rate."""
+    """(the rate with the best mean score over all seeds (lowest loss, highest accuracy), None), or (None, why there
+    is no best rate): a rate where any run diverged is not eligible; on the depth task, a rate is best only where some
+    run beat the shortcut (below it, no rate taught the model to follow the chains); a best score that two rates or
+    more share names none of them (a model that learned the same at every rate, like one collapsed to a constant
+    guess, would otherwise "stay put" at the lowest)."""
     eligible = [(sign * stats[s, r, p, lr]["score"][0], lr) for lr in lr_list
                 if stats[s, r, p, lr]["score"] and not stats[s, r, p, lr]["diverged"]]
-    return min(eligible)[1] if eligible else None
+    if not eligible:
+        return None, "every rate had a diverged run"
+    if on_chains and not any(stats[s, r, p, lr]["escaped"] for lr in lr_list):
+        return None, "no run beat the shortcut"
+    tied = [lr for v, lr in eligible if v == min(eligible)[0]]
+    if len(tied) > 1:
+        return None, f"rates {', '.join(f'{lr:g}' for lr in tied)} tie"
+    return tied[0], None
 
 
 if mode in ("lr", "transfer"):
@@ -460,9 +483,9 @@ if mode in ("lr", "transfer"):
     for s in scheme_list:
         for p in exponent_list:
             for r in loop_list:
-                lr = best_rate(s, r, p)
+                lr, why_none = best_rate(s, r, p)
                 if lr is None:
-                    lines.append(f"| {scheme_label(s, p)} | {r} | — | every rate had a diverged run | — |")
+                    lines.append(f"| {scheme_label(s, p)} | {r} | — | no best rate: {why_none} | — |")
                     continue
                 edge = " (grid edge)" if len(lr_list) > 1 and lr in (min(lr_list), max(lr_list)) else ""
                 best = stats[s, r, p, lr]
@@ -474,17 +497,24 @@ if mode == "transfer":
     lines += ["", "Does the best rate stay put as R grows? (a best rate at the grid's edge is not bracketed)", ""]
     for s in scheme_list:
         for p in exponent_list:
-            rates = {r: best_rate(s, r, p) for r in loop_list}
+            rates = {r: best_rate(s, r, p)[0] for r in loop_list}
             found = [lr for lr in rates.values() if lr is not None]
-            spread = ("no eligible rate" if not found else "stays put" if max(found) == min(found) else
-                      f"moves by a factor {max(found) / min(found):g}")
+            missing = ", ".join(f"R={r}" for r, lr in rates.items() if lr is None)
+            if len(found) < 2:  # nothing to compare
+                spread = f"no best rate at {missing}" if found else "no best rate"
+            else:
+                spread = "stays put" if max(found) == min(found) else f"moves by a factor {max(found) / min(found):g}"
+                spread += f" (no best rate at {missing})" if missing else ""
             lines.append(f"- {scheme_label(s, p)}: " + ", ".join(f"R={r} {lr:g}" if lr else f"R={r} —"
                                                                     for r, lr in rates.items()) + f": {spread}")
     lines += ["", "Best scheme at each R, each at its own best rate:", ""]
     for r in loop_list:
         ranked = sorted((sign * stats[s, r, p, lr]["score"][0], scheme_label(s, p), lr) for s in scheme_list
-                        for p in exponent_list for lr in [best_rate(s, r, p)] if lr is not None)
-        lines.append(f"- R={r}: " + ", ".join(f"{label} {sign * v:.4f} (lr {lr:g})" for v, label, lr in ranked))
+                        for p in exponent_list for lr in [best_rate(s, r, p)[0]] if lr is not None)
+        without = [scheme_label(s, p) for s in scheme_list for p in exponent_list if best_rate(s, r, p)[0] is None]
+        parts = [", ".join(f"{label} {sign * v:.4f} (lr {lr:g})" for v, label, lr in ranked)] if ranked else []
+        parts += [f"no best rate: {', '.join(without)}"] if without else []
+        lines.append(f"- R={r}: " + "; ".join(parts))
 if mode == "loops":
     lines += ["", "Final val loss by loop count (the paper's Table 1 layout):", "",
               "| scheme | " + " | ".join(f"R={r} (N={n_layer * r})" for r in loop_list) + " |",

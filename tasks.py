@@ -15,8 +15,9 @@ Why depth: a layer can follow a pointer by attending to the cell it names and re
 network of depth D resolves chains of about D hops following one pointer a layer, or up to 2^D when it learns to
 jump along pointers that it has already followed (pointer doubling); either way, more loops reach larger k. Nothing
 but following the pointers tells the answer: the chains of a sequence start from distinct values (while there are
-enough), so a model that does not follow the chain of a cell can only guess among the values it has seen (the
-shortcuts below measure how well such guesses do).
+enough; beyond n_values chains, each further n_values chains again take distinct values), so a model that does not
+follow the chain of a cell can only guess among the values it has seen (the shortcuts below measure how well such
+guesses do). Every answer is uniform over the values, so chance, 1 / n_values, is also what a constant guess scores.
 
 Chains have 1 to max_hops pointers (uniform), so k = j has a share proportional to max_hops + 1 - j.
 
@@ -27,8 +28,12 @@ Chains have 1 to max_hops pointers (uniform), so k = j has a share proportional 
 A library module: bad settings raise ValueError naming the fix.
 """
 
+from contextlib import nullcontext
+
 import numpy as np
 import torch
+
+from common import precision
 
 SPLITS = ("train", "val")
 
@@ -62,8 +67,10 @@ class PointerChains:
             cells = rng.integers(2, self.max_hops + 2, size=T)
             n_chains = np.searchsorted(np.cumsum(cells), T) + 1
             chain = rng.permutation(np.repeat(np.arange(n_chains), cells[:n_chains])[:T])
-            # distinct first values (while there are enough): a value seen twice would hint at the answer
-            value = rng.permutation(max(V, n_chains))[:n_chains] % V
+            # distinct first values (while there are enough): a value seen twice would hint at the answer. More
+            # chains than values take a fresh permutation for each V chains, so that every chain's value, and with
+            # it every answer, is uniform over the values (permutation(n_chains) % V gave the low ones an extra copy)
+            value = np.concatenate([rng.permutation(V) for _ in range(-(-n_chains // V))])[:n_chains]
             # cells in chain order: each one's predecessor in the chain is the cell before it in this order
             order = np.argsort(chain, kind="stable")
             first = np.r_[True, chain[order[1:]] != chain[order[:-1]]]
@@ -141,20 +148,42 @@ def format_by_k(by_k):
 TASKS = {"chains": PointerChains}
 
 
+def require_text(checkpoint, out_dir):
+    """For the scripts that need a model of text (sample.py, eval_downstream.py): raises ValueError, pointing to
+    depth_eval.py, when the checkpoint in out_dir is of a run on a task."""
+    if checkpoint["config"].get("dataset") in TASKS:
+        raise ValueError(f"{out_dir} was trained on the {checkpoint['config']['dataset']} task, not on text: show its "
+                         f"answers with python depth_eval.py --out_dir={out_dir}")
+
+
 def make_task(config, split, seed):
     """The task of a run from its settings (train.py's globals, or a checkpoint's "config")."""
     return TASKS[config["dataset"]](config["chain_values"], config["chain_hops"], config["block_size"], seed, split)
 
 
+def run_precision(checkpoint, device):
+    """(dtype, autocast context) to evaluate a train.py checkpoint in as its run evaluated: train.py evaluates under
+    the autocast it trains in (bfloat16 on any recent GPU), where an answer that two tokens nearly tie for can go the
+    other way than in float32, so only the run's own dtype reproduces its logged accuracy; and on CUDA with TF32
+    matmuls allowed, as train.py allows them (common.precision). The run's dtype on any device: a bfloat16 run from a
+    GPU evaluates in bfloat16 on a CPU too, close to what it logged rather than equal (other kernels round
+    differently), and slower where the CPU emulates bfloat16; the task models are small. Checkpoints older than the
+    dtype setting trained in float32."""
+    dtype, _, autocast = precision(device, checkpoint["config"].get("dtype", "float32"))
+    return dtype, autocast
+
+
 @torch.no_grad()
-def evaluate(model, task, n_batches, batch_size, n_loop=None):
+def evaluate(model, task, n_batches, batch_size, n_loop=None, autocast=nullcontext()):
     """Accuracy by k ({"1": accuracy, ...}) of a model.GPT on batches 0 .. n_batches - 1 of the task, run at n_loop
-    loops (None: as trained); the answer is the most likely token."""
+    loops (None: as trained) in the autocast context given (run_precision's, to reproduce a run); the answer is the
+    most likely token."""
     model.eval()
     hits = counts = 0
     for index in range(n_batches):
         x, y = task.batch(index, batch_size)
-        logits, _ = model(x.to(model.lm_head.weight.device), n_loop=n_loop)
+        with autocast:
+            logits, _ = model(x.to(model.lm_head.weight.device), n_loop=n_loop)
         batch_hits, batch_counts = hits_by_k(task, logits.argmax(-1).cpu(), x, y)
         hits, counts = hits + batch_hits, counts + batch_counts
     return accuracy_by_k(hits, counts)

@@ -58,11 +58,26 @@ def test_bench_prints_throughput_mfu_and_generation_speed_for_both_depths():
     assert float(m.group(1)) == pytest.approx(found[0][1][0] / found[1][1][0], rel=0.01)  # the ratio of the lines
 
 
+# bench.py with a line on stdout each time it builds a model, to see which rows were printed before
+BUILDS_LOGGED = """
+import runpy, sys
+import model
+init = model.GPT.__init__
+def logged(self, *args, **kwargs):
+    print("(a model is built)", flush=True)
+    init(self, *args, **kwargs)
+model.GPT.__init__ = logged
+sys.argv[0] = "bench.py"
+runpy.run_path("bench.py", run_name="__main__")
+"""
 # started with the session (conftest.py): compiling takes 5-20 s
 EARLY = {"test_compiled_depths_with_generation_stay_within_the_recompile_limit": lambda folder: [[
     "bench.py", *TINY, "--compare_depths=True", "--compile=True", "--compile_backend=eager", "--dtype=float32"]],
     "test_compare_dtypes_prints_three_rows_and_their_ratios": lambda folder: [[
-    "bench.py", *TINY, "--compare_dtypes=True", "--compile_backend=eager", "--gen_tokens=0", "--warmup_steps=0"]]}
+    "bench.py", *TINY, "--compare_dtypes=True", "--compile_backend=eager", "--warmup_steps=0"]],
+    "test_compare_dtypes_prints_each_precision_before_the_next_and_cuts_steps_to_its_share": lambda folder: [[
+    "-c", BUILDS_LOGGED, *TINY, "--compare_dtypes=True", "--compile_backend=eager", "--warmup_steps=2",
+    "--compare_seconds=0"]]}
 
 
 def test_compiled_depths_with_generation_stay_within_the_recompile_limit(early):
@@ -82,6 +97,10 @@ def test_compare_dtypes_prints_three_rows_and_their_ratios(early):
     result, _ = early
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
+    assert lines[1] == ("compare_dtypes: training only (generation: one precision at a time, by --dtype and "
+                        "--compile), each precision in turn in about 20 s of compare_seconds=60 (compiling is not cut)")
+    assert not any(line.startswith(("generate: ", "memory: ")) for line in lines)  # training only
+    assert all("(median of 3)" in line for line in lines if line.startswith("train: "))  # all fit the share
     models = [re.fullmatch(MODEL, line) for line in lines if line.startswith("model: ")]
     train = [float(re.fullmatch(TRAIN, line).group(1)) for line in lines if line.startswith("train: ")]
     assert [m.groups()[2:] for m in models] == [("float32", None), ("bfloat16", None), ("bfloat16", ", compiled")]
@@ -90,3 +109,18 @@ def test_compare_dtypes_prints_three_rows_and_their_ratios(early):
     assert m, lines[-2]
     assert [float(x) for x in m.groups()] == pytest.approx([train[1] / train[0], train[2] / train[0]], abs=0.01)
     assert re.fullmatch(r"compile: \d+ graphs, within the recompile limit of \d+", lines[-1])
+
+
+def test_compare_dtypes_prints_each_precision_before_the_next_and_cuts_steps_to_its_share(early):
+    """Each precision's rows come before the next precision's model is built; with no time to share, every one skips
+    its second warm-up step and is timed on one step, not three."""
+    result, _ = early
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line.split(":")[0] for line in result.stdout.splitlines()]
+    assert lines[2:] == ["(a model is built)", "model", "train"] * 3 + ["compare", "compile"], result.stdout
+    lines = result.stdout.splitlines()
+    assert "each precision in turn in about 0 s of compare_seconds=0 " in lines[1]
+    train = [line for line in lines if line.startswith("train: ")]
+    assert all("(median of 1)" in line for line in train), train
+    assert re.fullmatch(rf"compare: n_layer=1 x n_loop=3: bfloat16 trains at {NUM}x the tokens/s of float32, "
+                        rf"bfloat16 compiled at {NUM}x", lines[-2]), lines[-2]

@@ -20,6 +20,14 @@ def test_config_file_then_overrides(tmp_path):
     assert isinstance(ns["learning_rate"], float)
 
 
+def test_given_receives_the_keys_that_files_and_overrides_set_even_to_their_default(tmp_path):
+    cfg = tmp_path / "c.py"
+    cfg.write_text("batch_size = 12\nlearning_rate = 1e-3\n")  # batch_size as its default: still given
+    ns, given = defaults(), set()
+    configure(ns, [str(cfg), "--n_loop=2", "--top_k=5"], given)
+    assert given == {"batch_size", "learning_rate", "n_loop", "top_k"}
+
+
 def test_string_key_keeps_what_was_typed():
     ns = defaults()
     configure(ns, ["--dataset=2024"])

@@ -48,3 +48,25 @@ def test_a_loop_count_out_of_range_is_a_one_line_error(loops, depth_run):
     r = run("depth_eval.py", "--out_dir=run", f"--loops={loops}", cwd=depth_run)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr == f"error: loop counts must be from 1 to 1024 (model.MAX_LOOPS), got {loops!r}\n"
+
+
+def trained_line(stdout):
+    return next(line for line in stdout.splitlines() if " loops (trained): " in line).split(": ")[1]
+
+
+def test_a_bfloat16_run_is_evaluated_in_bfloat16_and_a_negative_examples_count_is_an_error(tmp_path):
+    # 80 steps: the answers are near ties between values, some of which float32 breaks the other way (it printed
+    # 0.13 0.15 0.14 0.15 0.21 0.18 for this run's 0.14 0.14 0.10 0.15 0.18 0.18)
+    r = run("train.py", os.path.join(ROOT, "config", "depth_cpu.py"), "--out_dir=run", "--max_iters=80",
+            "--eval_interval=80", "--lr_decay_iters=80", "--warmup_iters=2", "--eval_iters=4", "--batch_size=8",
+            "--n_loop=2", "--n_embd=32", "--dtype=bfloat16", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    last = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
+    r = run("depth_eval.py", "--out_dir=run", "--examples=0", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0].endswith(" over 32 sequences, in bfloat16 as the run evaluated")
+    assert trained_line(r.stdout) == " ".join(f"{last['accuracy'][k]:.2f}"
+                                              for k in sorted(last["accuracy"], key=int))
+    r = run("depth_eval.py", "--out_dir=run", "--examples=-1", cwd=tmp_path)  # not every answer there is
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == "error: --examples must be >= 0 (answers shown at each k; 0: none), got -1\n"

@@ -318,3 +318,14 @@ def test_task_data_that_cannot_load_offline_is_a_one_line_error(trained, tmp_pat
 ])
 def test_bad_settings_are_one_line_errors(argv, message, monkeypatch, capsys):
     assert one_line_error(*run_script(argv, monkeypatch, capsys)).startswith(f"error: {message}")
+
+
+def test_a_checkpoint_of_the_depth_task_points_to_depth_eval(tmp_path, monkeypatch, capsys):
+    out_dir = tmp_path / "depth"
+    save_checkpoint(random_gpt(), out_dir)
+    checkpoint = torch.load(out_dir / "ckpt.pt", weights_only=True)
+    checkpoint.update(tokenizer="chains(values=8, hops=6, cells=16)", config=dict(dataset="chains"))
+    torch.save(checkpoint, out_dir / "ckpt.pt")
+    line = one_line_error(*run_script([f"--out_dir={out_dir}", "--tasks=mc"], monkeypatch, capsys))
+    assert line == (f"error: {out_dir} was trained on the chains task, not on text: show its answers with python "
+                    f"depth_eval.py --out_dir={out_dir}")

@@ -1,8 +1,10 @@
-"""plot.py's reader of metrics.jsonl (the figure itself is drawn from two tiny runs in test_train.py)."""
+"""plot.py's reader of metrics.jsonl, and its figure of a run resumed with other eval_loops (the figure of two tiny
+real runs is drawn in test_train.py)."""
 
 import json
 
 from plot import read_metrics
+from scripts import run_script
 
 
 def test_a_record_cut_short_at_the_end_is_left_out_with_a_note(tmp_path, capsys):
@@ -13,3 +15,20 @@ def test_a_record_cut_short_at_the_end_is_left_out_with_a_note(tmp_path, capsys)
     assert capsys.readouterr().err == f"note: {path} ends in a record cut short; left out\n"
     path.write_text("".join(json.dumps(r) + "\n" for r in whole))
     assert read_metrics(str(path)) == whole and capsys.readouterr().err == ""
+
+
+def test_a_run_resumed_with_other_eval_loops_plots_what_each_evaluation_has(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    config = dict(residual="deeploop", n_loop=2, n_layer=1)
+    evals = [({"1": 3.1, "2": 3.0}, 100), ({"1": 2.9, "2": 2.8}, 200),  # eval_loops=1,2, then resumed with 1,4
+             ({"1": 2.7, "4": 2.5}, 300)]
+    records = [dict(type="start", iter=0, config=config)]
+    records += [dict(type="train", iter=i, tokens=i * 10, loss=3.0) for i in (0, 10, 20)]
+    records += [dict(type="eval", iter=tokens // 10, tokens=tokens, val_loss=by_loops["1"], loop=dict(kappa=[1.5]),
+                     val_loss_by_loops=by_loops) for by_loops, tokens in evals]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    r = run_script("plot.py", str(run), f"--png={tmp_path / 'runs.png'}")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "runs.png").stat().st_size > 10000
+    assert "| run | 1 | 4 |" in r.stdout and "| deeploop, n_loop=2 | 2.700 | 2.500 |" in r.stdout

@@ -1,11 +1,15 @@
-"""tasks.py: the pointer chains against a plain re-computation, determinism, disjoint splits, the loss mask, accuracy
-by k and the shortcuts."""
+"""tasks.py: the pointer chains against a plain re-computation, determinism, disjoint splits, answers uniform over the
+values, the loss mask, accuracy by k, the shortcuts, and the precision a checkpoint is evaluated in."""
 
+import hashlib
+
+import numpy as np
 import pytest
 import torch
 
 from model import GPT, GPTConfig
-from tasks import PointerChains, accuracy_by_k, best_shortcut, evaluate, hits_by_k, make_task, shortcuts
+from tasks import (PointerChains, accuracy_by_k, best_shortcut, evaluate, hits_by_k, make_task, require_text,
+                   run_precision, shortcuts)
 
 V, K, T = 8, 6, 24
 
@@ -47,6 +51,48 @@ def test_batches_are_a_function_of_seed_split_and_index_and_the_splits_are_disjo
     train = {tuple(row) for i in range(20) for row in task("train").batch(i, 32)[0].tolist()}
     val = {tuple(row) for i in range(20) for row in task("val").batch(i, 32)[0].tolist()}
     assert len(train) == len(val) == 640 and not train & val
+
+
+def test_answers_are_uniform_over_the_values_also_with_more_chains_than_values():
+    """At 64 cells a row holds about 15 chains of 8 values (permutation(n_chains) % 8 made 0 the answer 14.2% of the
+    time and 7 8.6%, and this statistic about 390). The answers of one chain share its value, so the test is
+    Pearson's over the chains: sum over values of (answers - expected)^2 / (sum over chains of their answers^2 / 8),
+    about chi-square with 7 degrees of freedom for independent uniform values; 24.3 is its 0.1% tail. Values drawn
+    without replacement within a row only make the counts more even."""
+    t = PointerChains(n_values=V, max_hops=K, block_size=64, seed=0, split="train")
+    counts, squares = np.zeros(V), 0.0
+    for index in range(20):
+        x, y = (a.numpy() for a in t.batch(index, 64))
+        rows, root = np.arange(len(x)), np.zeros_like(x)  # the value cell each cell's chain starts at
+        for cell in range(x.shape[1]):
+            root[:, cell] = np.where(x[:, cell] >= V, root[rows, np.maximum(x[:, cell] - V, 0)], cell)
+        answered = y >= 0
+        counts += np.bincount(y[answered], minlength=V)
+        squares += (np.bincount((rows[:, None] * 64 + root)[answered]).astype(float) ** 2).sum()
+    assert ((counts - counts.sum() / V) ** 2).sum() / (squares / V) < 24.3
+    assert counts.max() / counts.sum() < 1 / V + 0.01  # a constant guess does about as well as chance
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_the_chains_of_a_row_take_distinct_values_while_there_are_enough(block_size):
+    t = PointerChains(n_values=V, max_hops=K, block_size=block_size, seed=0, split="val")
+    x, _ = t.batch(0, 64)
+    for cells in x.tolist():
+        values = [c for c in cells if c < V]  # one value cell per chain
+        counts = np.bincount(values, minlength=V)
+        assert counts.max() - (counts.min() if len(values) >= V else 0) <= 1, values
+
+
+def test_config_depth_cpu_s_chains_are_the_ones_its_documented_runs_saw():
+    """At 16 cells a row never holds more than 8 chains (of 2 cells at least), so the fix for more chains than
+    values leaves config/depth_cpu.py's task as it was: the digest of its batches from before that fix."""
+    digest = hashlib.sha256()
+    for split in ("train", "val"):
+        for index in range(4):
+            x, y = PointerChains(n_values=8, max_hops=6, block_size=16, seed=1337, split=split).batch(index, 64)
+            digest.update(x.numpy().tobytes())
+            digest.update(y.numpy().tobytes())
+    assert digest.hexdigest()[:16] == "393281fa818bfbae"
 
 
 def test_the_loss_depends_on_the_answer_positions_only():
@@ -94,6 +140,28 @@ def test_evaluate_runs_a_model_at_any_loop_count():
         assert sorted(accuracy, key=int) == [str(k) for k in range(1, K + 1)]
         assert all(0 <= a <= 1 for a in accuracy.values())
     assert model.config.n_loop == 2
+
+
+
+def test_a_checkpoint_is_evaluated_in_the_precision_its_run_trained_in():
+    model = GPT(GPTConfig(block_size=T, vocab_size=64, n_layer=1, n_loop=2, n_head=2, n_embd=16))
+    t = make_task(dict(dataset="chains", chain_values=V, chain_hops=K, block_size=T), "val", 0)
+    dtype, autocast = run_precision(dict(config=dict(dtype="bfloat16")), "cpu")
+    x, y = t.batch(0, 8)
+    with autocast:
+        logits = model(x)[0]
+    assert dtype == "bfloat16" and logits.dtype == torch.bfloat16
+    assert evaluate(model, t, 1, 8, autocast=autocast) == accuracy_by_k(*hits_by_k(t, logits.argmax(-1), x, y))
+    dtype, autocast = run_precision(dict(config={}), "cpu")  # from before the dtype setting: float32
+    with autocast:
+        assert dtype == "float32" and model(t.batch(0, 2)[0])[0].dtype == torch.float32
+
+
+def test_scripts_for_text_point_a_tasks_checkpoint_to_depth_eval():
+    require_text(dict(config=dict(dataset="builtin_bytes")), "out")
+    with pytest.raises(ValueError, match="^out-depth was trained on the chains task, not on text: show its answers "
+                                         "with python depth_eval.py --out_dir=out-depth$"):
+        require_text(dict(config=dict(dataset="chains")), "out-depth")
 
 
 @pytest.mark.parametrize("kwargs,message", [
