@@ -9,7 +9,10 @@ the loop count at the last evaluation.
 
 Each run is a folder holding the metrics.jsonl that train.py writes; its legend entry names its residual scheme and
 loop count (and the folder, where two runs share both). Runs on a task of tasks.py (config/depth_cpu.py) get a third
-panel: the val accuracy by k at the last evaluation, and the best shortcut (dashed). Needs matplotlib.
+panel: the val accuracy by k at the last evaluation, and the best shortcut (dashed). Runs whose diagnostics probe the
+stream (model.linear_probe) get a last one: at the last evaluation, how well a linear read-out recovers each
+position's input token (solid) and its index (dashed) from the stream after each visit of the core, printed as a
+table too: 1.0, the stream still knows what its cell is; near 0, it no longer does. Needs matplotlib.
 """
 
 import json
@@ -41,12 +44,20 @@ def sampled_loops(config):
     return f" (trained at {sampling} {drawn}{backprop})"
 
 
-def depth_table(what, rows):
-    """Print {run: {loop count: figure}} as a markdown table, a column per loop count; nothing when rows is empty."""
+def layout(config):
+    """A run's prelude / core / coda and loop input, for its legend entry; "" for the whole stack looped alone."""
+    shape = f", {config['n_prelude']}/{config['n_layer']}/{config['n_coda']} blocks" \
+        if config.get("n_prelude") or config.get("n_coda") else ""
+    return shape + (f", loop_input={config['loop_input']}" if config.get("loop_input", "none") != "none" else "")
+
+
+def depth_table(what, rows, name="loop count at test time"):
+    """Print {run: {loop count: figure}} as a markdown table, a column per loop count (or per visit: name); nothing
+    when rows is empty."""
     if not rows:
         return
     counts = sorted({int(loops) for by_loops in rows.values() for loops in by_loops})
-    print(f"\n{what} at the last evaluation, by loop count at test time:\n\n| run | {' | '.join(map(str, counts))} |\n"
+    print(f"\n{what} at the last evaluation, by {name}:\n\n| run | {' | '.join(map(str, counts))} |\n"
           f"|---|{'---|' * len(counts)}")
     for label, by_loops in rows.items():
         print(f"| {label} | " + " | ".join(f"{by_loops[str(c)]:.3f}" if str(c) in by_loops else "" for c in counts)
@@ -76,7 +87,8 @@ if __name__ == "__main__":
     if not run_dirs:
         die("name the runs to plot: python plot.py out-a out-b ... (folders that train.py wrote)")
     runs = [(run_dir, *curves(run_dir)) for run_dir in run_dirs]
-    labels = [f"{config['residual']}, n_loop={config['n_loop']}" + sampled_loops(config) for _, config, _ in runs]
+    labels = [f"{config['residual']}, n_loop={config['n_loop']}" + layout(config) + sampled_loops(config)
+              for _, config, _ in runs]
     labels = [label + (f" ({run_dir})" if labels.count(label) > 1 else "")
               for label, (run_dir, _, _) in zip(labels, runs)]
 
@@ -87,10 +99,14 @@ if __name__ == "__main__":
     from tasks import best_shortcut  # here: it imports torch, which reading metrics does not need
 
     task_runs = any("accuracy" in r for _, _, kinds in runs for r in kinds.get("eval", []))
-    fig, ((ax_loss, ax_kappa, *ax_task), (ax_depth, ax_last, *spare)) = plt.subplots(
-        2, 2 + task_runs, figsize=(13 + 6 * task_runs, 10))
-    for ax in spare:
-        ax.axis("off")
+    probe_runs = any("token_probe" in r.get("loop", {}) for _, _, kinds in runs for r in kinds.get("eval", []))
+    wide = task_runs or probe_runs
+    fig, ((ax_loss, ax_kappa, *ax_task), (ax_depth, ax_last, *ax_probe)) = plt.subplots(
+        2, 2 + wide, figsize=(13 + 6 * wide, 10))
+    for ax, used in ((ax_task, task_runs), (ax_probe, probe_runs)):
+        if ax and not used:
+            ax[0].axis("off")
+    probes = {}  # label -> the last evaluation's probes, for the table
     for color, label, (_, config, kinds) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"] * len(runs),
                                                 labels, runs):
         train, evals = kinds.get("train", []), kinds.get("eval", [])
@@ -107,6 +123,12 @@ if __name__ == "__main__":
                             label=f"{label}, step {evals[-1]['iter']}")
             shortcut = best_shortcut(kinds["start"][-1]["shortcuts"])
             ax_task[0].plot([int(k) for k in ks], [shortcut[k] for k in ks], "--", color=color, lw=1)
+        if evals and "token_probe" in evals[-1]["loop"]:
+            probes[label] = evals[-1]["loop"]
+            for what, style in (("token_probe", "o-"), ("position_probe", "s--")):
+                values = evals[-1]["loop"][what]
+                ax_probe[0].plot(range(len(values)), values, style, color=color, ms=3, lw=1.5 if style == "o-" else 1,
+                                 label=f"{label}, step {evals[-1]['iter']}" if what == "token_probe" else None)
         evals = [r for r in evals if "val_loss_by_loops" in r]  # runs from before train.py's eval_loops have none
         if evals:
             # a run resumed with other eval_loops has other loop counts before and after: each count's line has the
@@ -127,7 +149,10 @@ if __name__ == "__main__":
     if task_runs:
         ax_task[0].set(xlabel="k (pointers to follow)", ylabel="val accuracy", ylim=(0, 1.02),
                        title="accuracy by k (dashed: the best shortcut)")
-    for ax in (ax_loss, ax_kappa, ax_depth, ax_last, *ax_task):
+    if probe_runs:
+        ax_probe[0].set(xlabel="visit of the core (0: its input)", ylabel="linear probe accuracy", ylim=(0, 1.02),
+                        title="what the stream still holds: its token (solid), its position (dashed)")
+    for ax in (ax_loss, ax_kappa, ax_depth, ax_last, *ax_task[:task_runs], *ax_probe[:probe_runs]):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -141,3 +166,7 @@ if __name__ == "__main__":
         f"{label}, k = {max(r['accuracy'], key=int)}": {loops: by_k[max(r["accuracy"], key=int)]
                                                          for loops, by_k in r["accuracy_by_loops"].items()}
         for label, r in lasts.items() if "accuracy_by_loops" in r})
+    for what in ("token_probe", "position_probe"):
+        depth_table(f"{what} (the stream after each visit of the core; 0: its input)",
+                    {label: {str(v): p for v, p in enumerate(loop[what])} for label, loop in probes.items()},
+                    name="visit")
