@@ -248,8 +248,24 @@ def test_a_tiny_real_sweep_records_kappa_and_resumes(early):
                                         "--mode=transfer, not --mode=lr; use a text dataset such as builtin_bytes"),
     (["--mode=lr", "--schemes=preln", "--exponents=0.3"],
      "--exponents apply to deeploop and deepnorm only, not preln; drop it from --schemes"),
+    (["--schemes=deeploop+gate"], "unknown variant 'gate' in --schemes=deeploop+gate; use add, concat, 121, huginn "
+                                  "after a +"),
+    (["--mode=depth", "--schemes=untied+add"], "the untied control takes no variant: use --schemes=untied, not "
+                                               "untied+add"),
 ])
 def test_bad_settings_are_one_line_errors(args, message):
     r = sweep(*args)
     assert r.returncode == 2
     assert r.stderr == f"error: {message}\n"
+
+
+def test_a_variant_runs_its_model_settings_and_labels_its_rows(tmp_path):
+    """--schemes=preln+huginn: one real (2-step) run on the depth task trains Huginn's layout, and the tables name it"""
+    out = tmp_path / "variant"
+    r = sweep("--mode=depth", f"--out_dir={out}", "--schemes=preln+huginn", "--loops=2", "--learning_rates=1e-3",
+              "--seeds=0", "--max_iters=2", "--batch_size=4", "--eval_iters=1")
+    assert r.returncode == 0, r.stderr
+    start = read_metrics(out / "runs" / "preln+huginn_R2_p0_lr0.001_seed0" / "metrics.jsonl")[0]
+    assert (start["config"]["n_prelude"], start["config"]["n_coda"], start["config"]["loop_input"]) == (1, 1, "concat")
+    assert start["config"]["residual"] == "preln"
+    assert "| preln+huginn | 2 | 0.001 |" in (out / "results.md").read_text()
