@@ -44,6 +44,9 @@ residual_lambda = 1.0  # preln_scaled's lambda
 norm = "layernorm"  # the backbone settings of train.py (GPTConfig): layernorm | rmsnorm
 position_encoding = "learned"  # learned | rope
 norm_branch_input = False
+n_prelude = 0  # blocks once before and after the looped core, and the input fed into every loop (train.py's)
+n_coda = 0
+loop_input = "none"
 # run
 batch_size = 8
 warmup_steps = 2
@@ -91,7 +94,7 @@ def build(n_layer, n_loop, dtype, compile):
     config = GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_loop=n_loop, n_head=n_head,
                        n_embd=n_embd, dropout=0.0, residual=residual, residual_exponent=residual_exponent,
                        residual_lambda=residual_lambda, norm=norm, position_encoding=position_encoding,
-                       norm_branch_input=norm_branch_input)
+                       norm_branch_input=norm_branch_input, n_prelude=n_prelude, n_coda=n_coda, loop_input=loop_input)
     model = GPT(config).to(device)
     line = (f"model: n_layer={n_layer} x n_loop={n_loop} (unrolled depth {config.unrolled_depth}), n_embd {n_embd}, "
             f"block_size {block_size}, {model.num_params() / 1e6:.2f}M params, {residual}, {device} {dtype}"

@@ -1,6 +1,7 @@
 """
 What the scripts (train.py, sample.py, bench.py, eval_downstream.py) share about running on a device: the allocator,
-the precision, timing, and the MFU yardstick. Nothing here runs on import; each script calls what it needs.
+the precision, timing, the MFU yardstick, and the random generators' states. Nothing here runs on import; each script
+calls what it needs.
 
 The precision rule (`choose_dtype`, for dtype="auto"):
     CUDA with native bfloat16 (Ampere and newer)         -> bfloat16 autocast
@@ -10,8 +11,8 @@ The precision rule (`choose_dtype`, for dtype="auto"):
     anything else (Apple's MPS)                           -> float32
 CPU flags do not predict the CPU's answer: a Xeon with avx512_bf16 but no AMX trained bench.py's model at 0.64x the
 speed in bfloat16, a Zen 4 EPYC with the same flags at 1.62x. A close call keeps float32, which reproduces bit for
-bit. A measurement is noisy, so on a CPU a resumed run keeps the precision its checkpoint was trained in, and sweep.py
-decides once for all its runs.
+bit. A measurement is noisy, so on a CPU a resumed run keeps the precision its checkpoint was trained in when that was
+on a CPU too (a GPU's bfloat16 or float16 is no CPU's pick), and sweep.py decides once for all its runs.
 Weights and optimizer state stay float32 in every case (autocast casts per operation), so a checkpoint resumes in any
 dtype.
 """
@@ -20,10 +21,12 @@ import ctypes
 import math
 import os
 import platform
+import random
 import sys
 import time
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -85,10 +88,11 @@ def time_block_matmuls(n_embd, rows, repeats=5):
     return best["float32"], best["bfloat16"], rows
 
 
-def choose_dtype(device, dtype="auto", n_embd=256, rows=2048, trained_dtype=None):
+def choose_dtype(device, dtype="auto", n_embd=256, rows=2048, trained_on=None):
     """(dtype, why) for a device: dtype as given, or for "auto" the rule in this module's docstring. n_embd and rows
-    (tokens per forward) are the shapes a CPU measures; trained_dtype, the precision of the checkpoint a run resumes,
-    is kept on a CPU. Raises ValueError for an unknown dtype."""
+    (tokens per forward) are the shapes a CPU measures; trained_on, (dtype, device) of the checkpoint a run resumes
+    (its config's), keeps that dtype on a CPU if the checkpoint was trained on a CPU. Raises ValueError for an unknown
+    dtype."""
     if dtype != "auto":
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
@@ -101,8 +105,8 @@ def choose_dtype(device, dtype="auto", n_embd=256, rows=2048, trained_dtype=None
             return "bfloat16", f"{name} computes bfloat16 natively"
         return "float16", f"{name} has no native bfloat16, so float16 with loss scaling"
     if device_type == "cpu":
-        if trained_dtype:
-            return trained_dtype, "the precision its checkpoint was trained in (a measurement could differ)"
+        if trained_on and trained_on[0] and str(trained_on[1]).split(":")[0] == "cpu":
+            return trained_on[0], "the precision its checkpoint was trained in on a CPU (a measurement could differ)"
         float32_seconds, bfloat16_seconds, rows = time_block_matmuls(n_embd, rows)
         gain = float32_seconds / bfloat16_seconds
         choice = ["bfloat16" if gain >= BFLOAT16_GAIN else "float32",
@@ -131,12 +135,36 @@ def autocast_context(device, dtype):
     return nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
 
 
-def precision(device, dtype, n_embd=256, rows=2048, trained_dtype=None):
+def precision(device, dtype, n_embd=256, rows=2048, trained_on=None):
     """(dtype, why, autocast context) for a script that runs on device: choose_dtype's pick, and TF32 matmuls allowed
     on CUDA (allow_tf32). Raises ValueError for an unknown dtype."""
-    dtype, why = choose_dtype(device, dtype, n_embd, rows, trained_dtype)
+    dtype, why = choose_dtype(device, dtype, n_embd, rows, trained_on)
     allow_tf32(device)
     return dtype, why, autocast_context(device, dtype)
+
+
+def rng_states(device):
+    """This process's random generator states (torch's, device's if CUDA, numpy's, Python's), as tensors, since a
+    weights_only checkpoint holds no numpy or Python objects. Mersenne Twister words are below 2^32, so float64 holds
+    them exactly."""
+    _, words, pos, has_gauss, gauss = np.random.get_state()
+    _, python_words, python_gauss = random.getstate()
+    return dict(torch=torch.get_rng_state(),
+                cuda=torch.cuda.get_rng_state(device) if device.startswith("cuda") else None,
+                numpy=torch.tensor([*words, pos, has_gauss, gauss], dtype=torch.float64),
+                python=torch.tensor([*python_words, math.nan if python_gauss is None else python_gauss],
+                                    dtype=torch.float64))
+
+
+def set_rng_states(states, device):
+    """Restore what rng_states returned (its CUDA state only on a CUDA device)."""
+    torch.set_rng_state(states["torch"].cpu())
+    if device.startswith("cuda") and states["cuda"] is not None:
+        torch.cuda.set_rng_state(states["cuda"].cpu(), device)
+    v = states["numpy"].tolist()
+    np.random.set_state(("MT19937", np.array(v[:624], dtype=np.uint32), int(v[624]), int(v[625]), v[626]))
+    v = states["python"].tolist()
+    random.setstate((3, tuple(int(w) for w in v[:-1]), None if math.isnan(v[-1]) else v[-1]))
 
 
 def synchronize(device):

@@ -14,7 +14,7 @@ import torch
 
 from configurator import configure, die
 from dataset import EVAL_SEED
-from model import GPT
+from model import GPT, MAX_LOOPS
 from tasks import TASKS, best_shortcut, evaluate, format_by_k, make_task, shortcuts
 
 out_dir = "out-depth"  # the train.py run: reads out_dir/ckpt.pt
@@ -35,8 +35,8 @@ try:
     loop_counts = [int(v) for v in str(loops).split(",")] if loops else [model.config.n_loop]
 except ValueError:
     die(f"loops must be comma-separated ints like 1,2,4,8, got {loops!r}")
-if min(loop_counts) < 1:
-    die(f"loop counts must be >= 1, got {loops!r}")
+if not all(1 <= c <= MAX_LOOPS for c in loop_counts):
+    die(f"loop counts must be from 1 to {MAX_LOOPS} (model.MAX_LOOPS), got {loops!r}")
 task = make_task(config, "val", EVAL_SEED)
 n_batches, batch_size = config["eval_iters"], config["batch_size"]
 

@@ -56,7 +56,7 @@ from tqdm import tqdm
 from configurator import configure, die
 from common import precision, tune_malloc
 from dataset import get_tokenizer
-from model import GPT
+from model import GPT, MAX_LOOPS
 
 out_dir = "out"  # the train.py run to evaluate: reads out_dir/ckpt.pt, writes the results JSON there
 tasks = "arc_easy,arc_challenge,hellaswag,piqa,winogrande,boolq,openbookqa,lambada_openai"  # comma list
@@ -184,7 +184,7 @@ class CheckpointLM(TemplateLM):
         """What the harness records in the results' "config"."""
         cfg = self.model.config
         loops = self.n_loop or cfg.n_loop
-        return dict(n_layer=cfg.n_layer, n_loop_trained=cfg.n_loop, n_loop=loops, unrolled_depth=cfg.n_layer * loops,
+        return dict(n_layer=cfg.n_layer, n_loop_trained=cfg.n_loop, n_loop=loops, unrolled_depth=cfg.depth(loops),
                     residual=cfg.residual, block_size=cfg.block_size, tokenizer=self.enc.name)
 
 
@@ -228,6 +228,9 @@ if __name__ == "__main__":
     for name, value in (("limit", limit), ("n_loop", n_loop), ("num_fewshot", num_fewshot)):
         if value < 0:
             die(f"--{name} must be >= 0, got {value}")
+    if n_loop > MAX_LOOPS:
+        die(f"--n_loop must be a loop count from 1 to {MAX_LOOPS} (model.MAX_LOOPS), or 0 (the trained one), got "
+            f"{n_loop}")
     if batch_size < 1:
         die(f"--batch_size must be >= 1, got {batch_size}")
     task_names = [t.strip() for t in tasks.split(",") if t.strip()]

@@ -30,6 +30,18 @@ NORMS = ("layernorm", "rmsnorm")
 POSITION_ENCODINGS = ("learned", "rope")
 LOOP_SAMPLINGS = ("fixed", "uniform", "lognormal_poisson")
 LOOP_INPUTS = ("none", "add", "concat")
+# The most loops a forward pass may run, in training, evaluation and generation. A training step never ends early
+# (train.py lets a step finish on SIGTERM before it saves), so a step must end in bounded time; and a typo such as
+# --loop_max=1000000000000 would otherwise grow the list of visits until the memory runs out. 1024 is 32 times
+# Huginn's training mean of 32, and past every count that this project's configs and docs use.
+MAX_LOOPS = 1024
+LOOP_STREAM = 0x6C6F6F70  # "loop": the second word of TrainLoops.draw's seed; batches put their split's index there
+
+
+def check_loops(n_loop):
+    """Raise ValueError unless n_loop is a loop count from 1 to MAX_LOOPS."""
+    if not 1 <= n_loop <= MAX_LOOPS:
+        raise ValueError(f"n_loop must be a loop count from 1 to {MAX_LOOPS} (model.MAX_LOOPS), got {n_loop}")
 
 
 def residual_coefficients(residual, unrolled_depth, exponent=0.0):
@@ -134,13 +146,15 @@ class GPTConfig:
                              f"{', '.join(POSITION_ENCODINGS)}")
         if self.n_loop < 1 or self.n_layer < 1:
             raise ValueError(f"n_layer and n_loop must be >= 1, got n_layer={self.n_layer} n_loop={self.n_loop}")
+        check_loops(self.n_loop)
+        if not 0 <= self.coefficient_loops <= MAX_LOOPS:
+            raise ValueError(f"coefficient_loops must be from 0 (= n_loop) to {MAX_LOOPS} (model.MAX_LOOPS), got "
+                             f"{self.coefficient_loops}")
         if self.n_prelude < 0 or self.n_coda < 0:
             raise ValueError(f"n_prelude and n_coda must be >= 0 (0 = none), got n_prelude={self.n_prelude} "
                              f"n_coda={self.n_coda}")
         if self.loop_input not in LOOP_INPUTS:
             raise ValueError(f"unknown loop_input {self.loop_input!r}; choose one of {', '.join(LOOP_INPUTS)}")
-        if self.coefficient_loops < 0:
-            raise ValueError(f"coefficient_loops must be >= 0 (0 = n_loop), got {self.coefficient_loops}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.position_encoding == "rope" and (self.n_embd // self.n_head) % 2:
@@ -179,7 +193,8 @@ class TrainLoops:
         uniform            loop_min..loop_max, each equally likely
         lognormal_poisson  Huginn's shape: r = 1 + Poisson(lambda), lambda log-normal with sigma 1/2 and mean
                            loop_mean - 1, so that r has mean loop_mean (Huginn's own draw has mean loop_mean + 1) and a
-                           long right tail; Huginn trains at mean 32 (with backprop through the last 8)
+                           long right tail, cut at MAX_LOOPS (a draw above it runs MAX_LOOPS); Huginn trains at
+                           mean 32 (with backprop through the last 8)
     backprop_loops > 0 keeps gradients through the last backprop_loops loops of a step only, as Huginn does; the
     earlier loops run without autograd (less memory and compute). GPT.forward does that part."""
     loop_sampling: str = "fixed"
@@ -192,11 +207,12 @@ class TrainLoops:
         if self.loop_sampling not in LOOP_SAMPLINGS:
             raise ValueError(f"unknown loop_sampling {self.loop_sampling!r}; choose one of {', '.join(LOOP_SAMPLINGS)}")
         uniform, lognormal = self.loop_sampling == "uniform", self.loop_sampling == "lognormal_poisson"
-        if uniform and not 1 <= self.loop_min <= self.loop_max:
-            raise ValueError(f"loop_sampling=uniform needs 1 <= loop_min <= loop_max, got loop_min={self.loop_min} "
-                             f"loop_max={self.loop_max}")
-        if lognormal and not self.loop_mean >= 1:
-            raise ValueError(f"loop_sampling=lognormal_poisson needs loop_mean >= 1, got {self.loop_mean}")
+        if uniform and not 1 <= self.loop_min <= self.loop_max <= MAX_LOOPS:
+            raise ValueError(f"loop_sampling=uniform needs 1 <= loop_min <= loop_max <= {MAX_LOOPS} (model.MAX_LOOPS), "
+                             f"got loop_min={self.loop_min} loop_max={self.loop_max}")
+        if lognormal and not 1 <= self.loop_mean <= MAX_LOOPS:
+            raise ValueError(f"loop_sampling=lognormal_poisson needs 1 <= loop_mean <= {MAX_LOOPS} (model.MAX_LOOPS), "
+                             f"got {self.loop_mean}")
         if not uniform and (self.loop_min or self.loop_max):
             raise ValueError(f"loop_min and loop_max only apply to loop_sampling=uniform, not {self.loop_sampling}")
         if not lognormal and self.loop_mean:
@@ -213,17 +229,18 @@ class TrainLoops:
     def draw(self, seed, step):
         """The loop count of optimizer step `step` (None for fixed): a pure function of (seed, step), not of a random
         stream that training consumes, so that every DDP process and every micro-batch of a step draws the same count
-        and a resumed run continues the same sequence."""
+        and a resumed run continues the same sequence. The stream is its own (LOOP_STREAM): seeded with [seed, step]
+        it was the stream of a batch, [seed, split, index] (numpy pads [seed, 0] to [seed, 0, 0]: train batch 0)."""
         if self.loop_sampling == "fixed":
             return None
-        rng = np.random.default_rng([seed, step])
+        rng = np.random.default_rng([seed, LOOP_STREAM, step])
         if self.loop_sampling == "uniform":
             return int(rng.integers(self.loop_min, self.loop_max + 1))
         if self.loop_mean == 1:
             return 1
         sigma = 0.5
         rate = rng.lognormal(math.log(self.loop_mean - 1) - sigma ** 2 / 2, sigma)  # mean loop_mean - 1
-        return 1 + int(rng.poisson(rate))
+        return min(1 + int(rng.poisson(rate)), MAX_LOOPS)
 
 
 class KVCache:
@@ -486,8 +503,8 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, n_loop=None, kv_cache=None, last_only=False, head=None, backprop_loops=0):
         """Logits for every position, and the mean cross-entropy when targets are given (-1 = ignore).
-        n_loop runs another count of core loops than the model was built with (test-time depth); alpha, beta and
-        epsilon stay as built.
+        n_loop runs another count of core loops than the model was built with (test-time depth, 1 to MAX_LOOPS);
+        alpha, beta and epsilon stay as built.
         backprop_loops > 0 runs all core loops but the last backprop_loops without autograd (Huginn's truncated
         backprop): no gradient reaches the blocks' earlier visits. With loop_input none, nor do the prelude, the
         position embedding and ln_e, which only the first loop reads; with add or concat every loop reads the
@@ -495,6 +512,8 @@ class GPT(nn.Module):
         Used by generate(): kv_cache, a list with one KVCache per unrolled visit (_visits' order); last_only, which
         spares the output layer all positions but the last; head, generate's copy of the output layer's weight
         (n_embd, vocab) to multiply by instead of calling lm_head."""
+        if n_loop:
+            check_loops(n_loop)
         P, L, loops = self.config.n_prelude, self.config.n_layer, n_loop or self.config.n_loop
         start = kv_cache[0].past if kv_cache else 0
         caches = kv_cache or [None] * self.config.depth(loops)
@@ -604,6 +623,22 @@ class GPT(nn.Module):
         return dict(residual_rms=residual_rms, grad_norm=grad_norm, kappa=kappa, token_probe=token_probe,
                     position_probe=position_probe)
 
+    def compile_blocks(self, **options):
+        """torch.compile every Block in place, and the loss (options as torch.compile's, e.g. backend=): how train.py
+        compiles. Compiling the whole forward traces the unrolled loop over the visits, one graph per loop count, and
+        past dynamo's recompile_limit (8) every further count runs uncompiled, with a warning only: sampled loop counts
+        (TrainLoops; log-normal Poisson with mean 8 draws 20 counts in 200 steps) and eval_loops exceed it. Marking the
+        count dynamic does not help: the Python loop specializes on it, and raising the limit would compile the whole
+        unrolled model again for each count. One Block graph serves every visit of every block, whatever the count
+        (their parameters are graph inputs); it varies only with autograd on or off (backprop_loops), training or eval,
+        and whether its input carries a gradient: a handful of graphs in all. Against the whole forward this gives up
+        fusing across block boundaries and around the embedding and the output layer's matrix product; the blocks'
+        products, norms and activations, and the loss, compile as before."""
+        for module in self.modules():
+            if isinstance(module, Block):
+                module.compile(**options)
+        self._loss = torch.compile(self._loss, **options)
+
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW with weight decay on matrices only (not on biases and LayerNorm gains)."""
         params = [p for p in self.parameters() if p.requires_grad]
@@ -612,18 +647,28 @@ class GPT(nn.Module):
         fused = "fused" in inspect.signature(torch.optim.AdamW).parameters and device_type in ("cuda", "cpu")
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **(dict(fused=True) if fused else {}))
 
-    def flops_per_token(self):
-        """Training FLOPs per token (forward + backward), counted over the unrolled depth: each visit of a block
-        costs its matmuls again, so block parameters count n_loop times (PaLM appendix B accounting)."""
+    def flops_per_token(self, n_loop=None, backprop_loops=0):
+        """Training FLOPs per token of a step that runs n_loop loops (None: the model's), counted over the unrolled
+        depth: each visit of a block costs its matmuls again (PaLM appendix B accounting). The forward pass costs 2
+        FLOPs per parameter and token in every visit, the backward pass 4, in the visits it reaches only: with
+        backprop_loops, the last backprop_loops loops (forward's truncated backprop). Attention's scores likewise:
+        4 * n_embd * block_size per visit forward, twice that backward. The prelude, coda and injection run once a
+        pass, forward and backward (with backprop_loops and loop_input none no gradient reaches the prelude: its
+        backward is counted all the same, a few blocks' worth at most)."""
         cfg = self.config
-        block_params = sum(p.numel() for p in self.transformer.h.parameters())
-        other_params = self.num_params() - block_params  # the tied output layer, and ln_f
-        attention = 12 * cfg.unrolled_depth * cfg.n_embd * cfg.block_size
-        return 6 * (block_params * cfg.n_loop + other_params) + attention
+        loops = n_loop or cfg.n_loop
+        tracked = min(backprop_loops, loops) if backprop_loops else loops
+        core_params = sum(p.numel() for p in self.transformer.h.parameters())
+        other_params = self.num_params() - core_params  # the tied output layer, prelude, coda, injection, norms
+        attention = 4 * cfg.n_embd * cfg.block_size
+        once = cfg.n_prelude + cfg.n_coda
+        forward = 2 * (core_params * loops + other_params) + attention * cfg.depth(loops)
+        return forward + 4 * (core_params * tracked + other_params) + 2 * attention * (cfg.n_layer * tracked + once)
 
-    def estimate_mfu(self, tokens_per_iter, dt, peak_flops):
-        """Model FLOPs utilisation: achieved training FLOP/s over peak_flops (e.g. 989e12 for an H100's bf16)."""
-        return self.flops_per_token() * tokens_per_iter / dt / peak_flops
+    def estimate_mfu(self, tokens_per_iter, dt, peak_flops, n_loop=None, backprop_loops=0):
+        """Model FLOPs utilisation of steps that run n_loop loops (flops_per_token): achieved training FLOP/s over
+        peak_flops (e.g. 989e12 for an H100's bf16)."""
+        return self.flops_per_token(n_loop, backprop_loops) * tokens_per_iter / dt / peak_flops
 
     def decode_step_bytes(self, sequences, past, element_size, n_loop=None):
         """Bytes a cached decode step must read from memory at the least, the yardstick of bench.py's decode floor

@@ -19,7 +19,7 @@ import torch._dynamo
 from common import precision, tune_malloc
 from configurator import configure, die
 from dataset import get_tokenizer, valid_text
-from model import GPT
+from model import GPT, MAX_LOOPS
 from tasks import TASKS
 
 out_dir = "out"  # the train.py run to sample from: reads out_dir/ckpt.pt
@@ -41,6 +41,8 @@ for name, value in (("num_samples", num_samples), ("max_new_tokens", max_new_tok
                     ("n_loop", n_loop)):
     if value < 0:
         die(f"--{name} must be >= 0, got {value}")
+if n_loop > MAX_LOOPS:
+    die(f"--n_loop must be a loop count from 1 to {MAX_LOOPS} (model.MAX_LOOPS), or 0 (the trained one), got {n_loop}")
 if temperature <= 0:
     die(f"--temperature must be > 0, got {temperature} (use --top_k=1 for greedy decoding)")
 
@@ -80,7 +82,7 @@ x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, :]
 cfg = model.config
 loops = n_loop or cfg.n_loop
 print(f"{out_dir}/ckpt.pt: {cfg.n_layer} blocks x {cfg.n_loop} loops trained, sampling with {loops} loops "
-      f"(unrolled depth {cfg.n_layer * loops}), tokenizer {checkpoint['tokenizer']}, iter {checkpoint['iter_num']}, "
+      f"(unrolled depth {cfg.depth(loops)}), tokenizer {checkpoint['tokenizer']}, iter {checkpoint['iter_num']}, "
       f"dtype {dtype} ({dtype_reason})", file=sys.stderr)
 del checkpoint  # the optimizer state in it is not needed for sampling
 

@@ -18,6 +18,7 @@ second signal, a second or more later, stops at once; ckpt.pt is only ever repla
 """
 
 import atexit
+import dataclasses
 import fcntl
 import json
 import math
@@ -37,10 +38,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from common import default_peak_flops, precision, tune_malloc
+from common import default_peak_flops, precision, rng_states, set_rng_states, tune_malloc
 from configurator import configure, die
 from dataset import EVAL_SEED, TokenWindows, load_meta
-from model import GPT, GPTConfig, TrainLoops
+from model import GPT, MAX_LOOPS, GPTConfig, TrainLoops
 from prepare_data import prepare_builtin_if_missing
 from tasks import TASKS, accuracy_by_k, best_shortcut, format_by_k, hits_by_k, make_task, shortcuts
 
@@ -79,6 +80,9 @@ residual_lambda = 1.0    # preln_scaled's branches times residual_lambda / (n_lo
 norm = "layernorm"       # layernorm | rmsnorm
 position_encoding = "learned"  # learned | rope
 norm_branch_input = False  # Post-LN blocks as x = Norm(alpha * x + f(Norm(x))), the DeepLoop paper's form
+n_prelude = 0            # blocks run once before the looped core, n_coda once after it (Huginn's prelude and coda):
+n_coda = 0               # unrolled depth n_prelude + n_layer * n_loop + n_coda; loop counts below count core loops
+loop_input = "none"      # none | add | concat (Huginn's adapter): the embedded input fed into every loop (LoopInput)
 # Loop counts for test-time depth (model.TrainLoops). n_loop stays the count of evaluations and of sample.py
 loop_sampling = "fixed"  # fixed: every step runs n_loop; uniform: loop_min..loop_max; lognormal_poisson: mean loop_mean
 loop_min = 0
@@ -87,7 +91,7 @@ loop_mean = 0.0
 backprop_loops = 0       # gradients through the last this many loops of a step only; 0: through all of them
 coefficient_loops = 0    # alpha, beta (preln_scaled: epsilon) from n_layer * coefficient_loops; 0: n_loop
 # val loss at these loop counts too, e.g. "1,2,3,4"; "": 1 and 2 * n_loop with sampled loop counts, none with fixed
-# ones (each count costs evaluation time, and under torch.compile a compilation)
+# ones (each count costs evaluation time); every loop count is at most model.MAX_LOOPS
 eval_loops = ""
 # AdamW; weight decay applies to matrices only (model.configure_optimizers)
 learning_rate = 6e-4
@@ -117,6 +121,8 @@ if dtype not in ("auto", "float32", "bfloat16", "float16"):
     die(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
 if min(eval_interval, eval_iters, log_interval, gradient_accumulation_steps, batch_size) < 1:
     die("eval_interval, eval_iters, log_interval, gradient_accumulation_steps and batch_size must all be >= 1")
+if not 0 <= seed < 2 ** 31:  # numpy takes no negative seeds, and seed + rank seeds its 32-bit generator
+    die(f"seed must be from 0 to 2**31 - 1, got {seed}")
 try:
     train_loops = TrainLoops(loop_sampling, loop_min, loop_max, loop_mean, backprop_loops)
 except ValueError as e:
@@ -126,8 +132,8 @@ try:
         [1, 2 * n_loop] if loop_sampling != "fixed" else []
 except ValueError:
     eval_loop_counts = [0]
-if min(eval_loop_counts, default=1) < 1:
-    die(f"eval_loops must be loop counts >= 1 separated by commas, like \"1,2,4\", got {eval_loops!r}")
+if not all(1 <= c <= MAX_LOOPS for c in eval_loop_counts):
+    die(f"eval_loops must be loop counts from 1 to {MAX_LOOPS} separated by commas, like \"1,2,4\", got {eval_loops!r}")
 eval_loop_counts = sorted({n_loop, *eval_loop_counts})  # n_loop's val loss is the one that val_loss reports
 
 # Stopping on request. The handler only takes note; the training loop stops at the start of its next step, when
@@ -270,11 +276,7 @@ def to_device(batch):
 
 
 # model and optimizer
-model_args = dict(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_loop=n_loop, n_head=n_head,
-                  n_embd=n_embd, dropout=dropout, bias=bias, residual=residual,
-                  residual_exponent=residual_exponent, residual_lambda=residual_lambda, norm=norm,
-                  position_encoding=position_encoding, norm_branch_input=norm_branch_input,
-                  coefficient_loops=coefficient_loops)
+model_args = {f.name: globals()[f.name] for f in dataclasses.fields(GPTConfig)}  # vocab_size: from the data
 try:
     gpt_config = GPTConfig(**model_args)
 except ValueError as e:
@@ -303,33 +305,11 @@ else:
         die(f"resuming {ckpt_path} with another model: {', '.join(changed)}; use the run's config unchanged")
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
     evaluated = checkpoint.get("evaluated", True)  # False: written on a signal or timer, before its step's evaluation
-# for the device this process runs on; on a CPU measured at this width, or a resumed run's own
-dtype, dtype_reason, autocast = precision(device, dtype, n_embd, batch_size * block_size,
-                                          checkpoint["config"].get("dtype") if init_from == "resume" else None)
+# for the device this process runs on; on a CPU measured at this width, or a resumed CPU run's own
+trained_on = (checkpoint["config"].get("dtype"), checkpoint["config"].get("device")) if init_from == "resume" else None
+dtype, dtype_reason, autocast = precision(device, dtype, n_embd, batch_size * block_size, trained_on)
 optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")  # float16 needs loss scaling; bfloat16 not
-
-
-def rng_states():
-    """This process's random generator states, as tensors, since a weights_only checkpoint holds no numpy or Python
-    objects. Mersenne Twister words are below 2^32, so float64 holds them exactly."""
-    _, words, pos, has_gauss, gauss = np.random.get_state()
-    _, python_words, python_gauss = random.getstate()
-    return dict(torch=torch.get_rng_state(),
-                cuda=torch.cuda.get_rng_state(device) if device_type == "cuda" else None,
-                numpy=torch.tensor([*words, pos, has_gauss, gauss], dtype=torch.float64),
-                python=torch.tensor([*python_words, math.nan if python_gauss is None else python_gauss],
-                                    dtype=torch.float64))
-
-
-def set_rng_states(states):
-    torch.set_rng_state(states["torch"].cpu())
-    if device_type == "cuda" and states["cuda"] is not None:
-        torch.cuda.set_rng_state(states["cuda"].cpu(), device)
-    v = states["numpy"].tolist()
-    np.random.set_state(("MT19937", np.array(v[:624], dtype=np.uint32), int(v[624]), int(v[625]), v[626]))
-    v = states["python"].tolist()
-    random.setstate((3, tuple(int(w) for w in v[:-1]), None if math.isnan(v[-1]) else v[-1]))
 
 
 # every process draws its own dropout masks; a checkpoint keeps the generator states of all of them
@@ -341,12 +321,14 @@ if init_from == "resume":
     if scaler.is_enabled() and checkpoint["scaler"]:
         scaler.load_state_dict(checkpoint["scaler"])
     if len(checkpoint["rng"]) == world_size:
-        set_rng_states(checkpoint["rng"][rank])
+        set_rng_states(checkpoint["rng"][rank], device)
     elif master and dropout > 0:
         print(f"note: {ckpt_path} was written by {len(checkpoint['rng'])} processes, this run has {world_size}; "
               f"dropout masks will differ from an uninterrupted run")
     del checkpoint  # frees its copy of the weights and optimizer state
-model = torch.compile(raw_model) if compile else raw_model  # evaluation runs this one: no DDP collectives
+if compile:
+    raw_model.compile_blocks()  # in place, every block and the loss: one graph serves every loop count
+model = raw_model  # evaluation runs this one: no DDP collectives
 # backprop_loops leaves the position embedding without a gradient, which DDP must be told about
 ddp_model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None,
                 find_unused_parameters=backprop_loops > 0) if ddp else model
@@ -367,7 +349,7 @@ def save_checkpoint(evaluated):
     disk) removes the temporary file, keeps the previous checkpoint, and stops every process with one line."""
     global saved_iter, saved_time
     read_losses()  # the NaN guard: weights that a non-finite loss has spoiled are never saved
-    rng = gather(rng_states())
+    rng = gather(rng_states(device))
 
     def write():
         checkpoint = dict(program="deeploop-train", model=raw_model.state_dict(), model_args=model_args,
@@ -427,12 +409,12 @@ def estimate_loss():
 
 
 def loop_diagnostics():
-    """model.loop_diagnostics on the first train-eval batch (the same batch at every evaluation), on the raw model:
-    it runs the blocks one visit at a time, which neither torch.compile nor DDP need to see. Not in float16: its
-    gradients, taken without loss scaling, would underflow in the early visits; float32 instead."""
+    """model.loop_diagnostics on the first train-eval batch (the same batch at every evaluation), on the raw model,
+    eager: it runs the blocks one visit at a time, which neither torch.compile nor DDP need to see. Not in float16:
+    its gradients, taken without loss scaling, would underflow in the early visits; float32 instead."""
     x, y = to_device(train_eval_data.batch(0, batch_size))
     raw_model.eval()  # no dropout: the diagnostics are deterministic and draw no random numbers
-    with autocast if dtype != "float16" else nullcontext():
+    with autocast if dtype != "float16" else nullcontext(), torch.compiler.set_stance("force_eager"):
         diagnostics = raw_model.loop_diagnostics(x, y)
     raw_model.train()
     return diagnostics
@@ -578,7 +560,7 @@ def stop(signum):
 # a terminal gets a progress bar; a file or a CI log gets one plain line per log_interval instead
 bar = master and sys.stderr.isatty()
 pbar = tqdm(total=max_iters, initial=iter_num, disable=not bar, dynamic_ncols=True, desc="train")
-window_start, window_steps = time.perf_counter(), 0
+window_start, window_steps, window_flops = time.perf_counter(), 0, 0
 training = True
 while True:
     # Every process takes the same decisions at the same step: stop (a signal reached one of them, or the master
@@ -629,7 +611,7 @@ while True:
             log(dict(type="eval", iter=iter_num, tokens=iter_num * tokens_per_iter, train_loss=losses["train"],
                      val_loss=losses["val"], val_loss_by_loops=by_loops, loop=diagnostics,
                      **(dict(accuracy=accuracy[n_loop], accuracy_by_loops=accuracy) if task else {})))
-        window_start, window_steps = time.perf_counter(), 0  # evaluation time does not count against tokens/s
+        window_start, window_steps, window_flops = time.perf_counter(), 0, 0  # evaluation time is not in tokens/s, MFU
         # a signal during the evaluation stops here: ckpt.pt holds this step, and another step would mean another
         # write within the scheduler's grace period
         signum, = agree(stop_signal)
@@ -660,18 +642,20 @@ while True:
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
 
+    # MFU counts the loops each step ran, the backward pass over its tracked loops only (model.flops_per_token)
     window_steps += 1
+    window_flops += raw_model.flops_per_token(step_loops, backprop_loops) * tokens_per_iter
     if iter_num % log_interval == 0 or len(pending_losses) >= 100:  # 100: the NaN guard looks at least that often
         loss_value = read_losses()[iter_num]
         if master and iter_num % log_interval == 0:
             dt = (time.perf_counter() - window_start) / window_steps  # seconds per step since the last record
             tokens_per_sec = tokens_per_iter / dt
-            mfu = raw_model.estimate_mfu(tokens_per_iter, dt, peak_flops * world_size)
+            mfu = window_flops / window_steps / dt / (peak_flops * world_size)
             log(dict(type="train", iter=iter_num, tokens=(iter_num + 1) * tokens_per_iter, loss=loss_value, lr=lr,
                      loops=step_loops,
                      grad_norm=grad_norm.item() if grad_norm.isfinite() else None,  # inf: a skipped float16 step
                      tokens_per_sec=tokens_per_sec, mfu=mfu))
-            window_start, window_steps = time.perf_counter(), 0
+            window_start, window_steps, window_flops = time.perf_counter(), 0, 0
             progress = f"loss {loss_value:.4f} lr {lr:.2e} tok/s {tokens_per_sec:,.0f} mfu {mfu:.1%}"
             if bar:
                 pbar.set_postfix_str(progress, refresh=False)

@@ -1,12 +1,15 @@
 import ctypes
 import platform
+import random
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 import common
-from common import autocast_context, choose_dtype, default_peak_flops, synchronize, tune_malloc
+from common import (autocast_context, choose_dtype, default_peak_flops, rng_states, set_rng_states, synchronize,
+                    tune_malloc)
 
 
 @pytest.fixture
@@ -56,14 +59,25 @@ def test_a_cpu_takes_bfloat16_only_when_measured_clearly_faster(float32_ms, bflo
     assert choose_dtype("cuda") == ("bfloat16", "NVIDIA A100-SXM4-80GB computes bfloat16 natively")  # per device
 
 
-def test_an_explicit_dtype_or_a_resumed_runs_own_wins_over_a_measurement(timings, gpu):
+def test_an_explicit_dtype_or_a_resumed_cpu_runs_own_wins_over_a_measurement(timings, gpu):
     assert choose_dtype("cpu", "float32") == ("float32", "as set")
-    assert choose_dtype("cpu", "bfloat16", trained_dtype="float32") == ("bfloat16", "as set")
-    assert choose_dtype("cpu", "auto", trained_dtype="float32") == (
-        "float32", "the precision its checkpoint was trained in (a measurement could differ)")
+    assert choose_dtype("cpu", "bfloat16", trained_on=("float32", "cpu")) == ("bfloat16", "as set")
+    for trained in ("float32", "bfloat16", "float16"):  # float16 only as set, but a CPU run's own all the same
+        assert choose_dtype("cpu", "auto", trained_on=(trained, "cpu")) == (
+            trained, "the precision its checkpoint was trained in on a CPU (a measurement could differ)")
     assert timings["calls"] == []  # nothing measured
     # a GPU's rule does not depend on a measurement: it stays
-    assert choose_dtype("cuda", "auto", trained_dtype="float32")[0] == "bfloat16"
+    assert choose_dtype("cuda", "auto", trained_on=("float32", "cpu"))[0] == "bfloat16"
+
+
+@pytest.mark.parametrize("trained_on", [("bfloat16", "cuda"), ("float16", "cuda:1"), ("bfloat16", None), (None, "cpu")])
+def test_a_cpu_resuming_a_gpu_checkpoint_measures(trained_on, timings):
+    """A GPU's bfloat16 (or a V100's float16 with loss scaling) is no CPU's choice: kept, it ran 3.1x slower than
+    float32 on a CPU that emulates bfloat16. A checkpoint of another device, or of unknown device or dtype (written
+    before the config held them), gets the CPU's own rule."""
+    timings["ms"] = (10.0, 30.0)  # bfloat16 emulated
+    dtype, why = choose_dtype("cpu", "auto", 256, 2048, trained_on=trained_on)
+    assert dtype == "float32" and why.startswith("one block's matrix products (64 x 256") and timings["calls"]
 
 
 def test_the_measurement_is_capped_in_size_and_leaves_seeds_and_threads_alone(monkeypatch):
@@ -145,3 +159,12 @@ def test_tuned_malloc_keeps_a_freed_large_buffer_in_the_process(early):
                                                                 result.stdout.splitlines()]
     assert stock_mmapped >= 256 and stock_kept < 256  # glibc's default: mapped for the buffer, unmapped on free
     assert tuned_mmapped < 256 and tuned_kept >= 256  # tuned: from the heap, and still there to reuse after free
+
+
+def test_random_generator_states_restore_every_generator():
+    states = rng_states("cpu")
+    assert states["cuda"] is None and all(states[k].dtype == torch.float64 for k in ("numpy", "python"))
+    first = torch.rand(3), np.random.rand(3), random.random(), random.gauss(0, 1)
+    set_rng_states(states, "cpu")
+    again = torch.rand(3), np.random.rand(3), random.random(), random.gauss(0, 1)
+    assert torch.equal(first[0], again[0]) and (first[1] == again[1]).all() and first[2:] == again[2:]

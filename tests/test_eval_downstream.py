@@ -312,6 +312,8 @@ def test_task_data_that_cannot_load_offline_is_a_one_line_error(trained, tmp_pat
     (["--tasks= ,"], "--tasks is empty"),
     (["--batch_size=0"], "--batch_size must be >= 1"),
     (["--num_fewshot=-1"], "--num_fewshot must be >= 0"),
+    (["--n_loop=5000"], "--n_loop must be a loop count from 1 to 1024 (model.MAX_LOOPS), or 0 (the trained one), got "
+                        "5000"),
     (["--include_path=no/such/folder"], "--include_path=no/such/folder is not a folder"),
 ])
 def test_bad_settings_are_one_line_errors(argv, message, monkeypatch, capsys):

@@ -1,6 +1,7 @@
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch._dynamo
@@ -8,8 +9,8 @@ from torch._dynamo.utils import counters
 from torch.func import functional_call
 from torch.nn import functional as F
 
-from model import (GPT, GPTConfig, KVCache, LOOP_INPUTS, NORMS, POSITION_ENCODINGS, PRE_LN, RESIDUALS, TrainLoops,
-                   apply_rotary, branch_scale, linear_probe, residual_coefficients)
+from model import (GPT, LOOP_INPUTS, LOOP_STREAM, MAX_LOOPS, GPTConfig, KVCache, NORMS, POSITION_ENCODINGS, PRE_LN,
+                   RESIDUALS, TrainLoops, apply_rotary, branch_scale, linear_probe, residual_coefficients)
 
 
 def tiny(**kw):
@@ -269,6 +270,23 @@ def test_mfu_counts_flops_over_the_unrolled_depth():
     assert looped.estimate_mfu(1000, 1.0, 1e12) == pytest.approx(looped.flops_per_token() * 1000 / 1e12)
 
 
+def test_flops_count_the_loops_a_step_ran_and_backward_over_the_tracked_loops_only():
+    """A model built for 1 loop that runs 4 does the work of one built for 4; with backprop_loops, forward (a third
+    of the cost: 2 FLOPs per parameter and token of 6) runs every loop, backward (4 of 6) the tracked ones."""
+    one, four = GPT(tiny(n_layer=2, n_loop=1)), GPT(tiny(n_layer=2, n_loop=4))
+    assert one.flops_per_token(4) == four.flops_per_token() == four.flops_per_token(4)
+    assert one.estimate_mfu(1000, 1.0, 1e12, n_loop=4) == four.estimate_mfu(1000, 1.0, 1e12)
+    per_loop = one.flops_per_token(2) - one.flops_per_token(1)  # the blocks' 6 x params + attention, per loop
+    block_params = sum(p.numel() for p in one.transformer.h.parameters())
+    assert per_loop == 6 * block_params + 12 * 2 * 32 * 32  # 2 blocks, width 32, 32 positions
+    head = one.flops_per_token(1) - per_loop  # the output layer, forward and backward, in every step
+    for loops, tracked in ((4, 1), (4, 3), (7, 2)):
+        assert one.flops_per_token(loops, tracked) == head + per_loop * (loops + 2 * tracked) // 3
+        assert four.estimate_mfu(1000, 1.0, 1e12, loops, tracked) == pytest.approx(
+            one.flops_per_token(loops, tracked) * 1000 / 1e12)
+    assert one.flops_per_token(4, 4) == one.flops_per_token(4, 9) == one.flops_per_token(4)  # every loop tracked
+
+
 def test_decode_floor_counts_each_weight_once_and_the_cache_of_every_visit():
     model = GPT(tiny(n_layer=2, n_loop=3))  # width 32, vocabulary 128, with biases
     # two LayerNorms, the q/k/v matrix, the attention output, the MLP's two matrices
@@ -487,7 +505,8 @@ def test_coefficient_loops_sets_the_depth_of_alpha_and_beta():
         preln = GPT(tiny(n_layer=2, n_loop=3, coefficient_loops=loops, residual="preln"))
         std = preln.transformer.h[0].mlp.c_proj.weight.std().item()
         assert std == pytest.approx(0.02 / math.sqrt(2 * N), rel=0.1)
-    with pytest.raises(ValueError, match=r"^coefficient_loops must be >= 0 \(0 = n_loop\), got -1$"):
+    with pytest.raises(ValueError, match=r"^coefficient_loops must be from 0 \(= n_loop\) to 1024 \(model.MAX_LOOPS\), "
+                                         r"got -1$"):
         tiny(coefficient_loops=-1)
 
 
@@ -503,13 +522,110 @@ def test_train_loops_draw_a_pure_function_of_seed_and_step():
     assert TrainLoops().draw(0, 5) is None and TrainLoops("lognormal_poisson", loop_mean=1.0).draw(0, 5) == 1
 
 
+def test_the_loop_draw_has_a_stream_of_its_own():
+    """Seeded with [seed, step], the draw of step 0 was the stream of train batch 0 ([seed, 0, 0] after numpy's
+    padding) and that of step 1 the stream of val batch 0 ([seed, 1, 0]): the loop count was a function of the
+    batch's data. The draw's seed has LOOP_STREAM where a batch's has its split."""
+    loops = TrainLoops("uniform", loop_min=1, loop_max=MAX_LOOPS)
+    for step in (0, 1):
+        draws = [loops.draw(seed, step) for seed in range(20)]
+        batch = [int(np.random.default_rng([seed, step, 0]).integers(1, MAX_LOOPS + 1)) for seed in range(20)]
+        own = [int(np.random.default_rng([seed, LOOP_STREAM, step]).integers(1, MAX_LOOPS + 1)) for seed in range(20)]
+        assert draws == own and sum(d == b for d, b in zip(draws, batch)) <= 1
+    assert LOOP_STREAM >= 2  # a split's index is 0 (train) or 1 (val)
+
+
+@pytest.mark.parametrize("build,message", [
+    (lambda: tiny(n_loop=10 ** 12), f"n_loop must be a loop count from 1 to {MAX_LOOPS} (model.MAX_LOOPS), got "
+                                     f"{10 ** 12}"),
+    (lambda: tiny(coefficient_loops=MAX_LOOPS + 1),
+     f"coefficient_loops must be from 0 (= n_loop) to {MAX_LOOPS} (model.MAX_LOOPS), got {MAX_LOOPS + 1}"),
+    (lambda: TrainLoops("uniform", loop_min=1, loop_max=1000000000000),
+     f"loop_sampling=uniform needs 1 <= loop_min <= loop_max <= {MAX_LOOPS} (model.MAX_LOOPS), got loop_min=1 "
+     f"loop_max=1000000000000"),
+    (lambda: TrainLoops("lognormal_poisson", loop_mean=float("1e400")),
+     f"loop_sampling=lognormal_poisson needs 1 <= loop_mean <= {MAX_LOOPS} (model.MAX_LOOPS), got inf"),
+    (lambda: GPT(tiny())(torch.zeros(1, 4, dtype=torch.long), n_loop=MAX_LOOPS + 1),
+     f"n_loop must be a loop count from 1 to {MAX_LOOPS} (model.MAX_LOOPS), got {MAX_LOOPS + 1}"),
+    (lambda: GPT(tiny()).generate(torch.zeros(1, 4, dtype=torch.long), 2, n_loop=-3),
+     f"n_loop must be a loop count from 1 to {MAX_LOOPS} (model.MAX_LOOPS), got -3"),
+])
+def test_every_loop_count_is_bounded_by_max_loops(build, message):
+    """A typo in a loop count would run a step that never ends (and that SIGTERM does not cut short), or grow the
+    list of visits until memory runs out: every count a setting or a call can produce stops at MAX_LOOPS."""
+    with pytest.raises(ValueError) as error:
+        build()
+    assert str(error.value) == message
+
+
+def test_lognormal_poisson_draws_above_max_loops_run_max_loops():
+    """The log-normal Poisson draw has no upper end: a draw above MAX_LOOPS runs MAX_LOOPS (at loop_mean =
+    MAX_LOOPS, about half of them), and MAX_LOOPS itself is a valid count everywhere."""
+    draws = [TrainLoops("lognormal_poisson", loop_mean=MAX_LOOPS).draw(0, step) for step in range(200)]
+    assert max(draws) == MAX_LOOPS and 50 < draws.count(MAX_LOOPS) < 150 and min(draws) >= 1
+    assert tiny(n_loop=MAX_LOOPS).n_loop == MAX_LOOPS
+    assert TrainLoops("uniform", loop_min=MAX_LOOPS, loop_max=MAX_LOOPS).draw(0, 0) == MAX_LOOPS
+
+
+def test_compiled_blocks_take_every_sampled_loop_count_in_a_few_graphs():
+    """train.py's compile (compile_blocks) over a sampled run: the 20 counts that log-normal Poisson with mean 8 draws
+    in 200 steps, with truncated backprop, then evaluations at other counts, compile a handful of graphs in all
+    (autograd on or off, training or eval, a block input with or without a gradient; the loss), and running every
+    count again compiles nothing: far below dynamo's recompile_limit, past which it would run uncompiled (made an
+    error here). Whole-model compile, for comparison, needs a graph per count and hits the limit. A counting backend
+    instead of inductor: seconds, not minutes; the graphs it is handed are the ones inductor would compile."""
+    loops = TrainLoops("lognormal_poisson", loop_mean=8.0)
+    counts = sorted({loops.draw(1337, step) for step in range(200)})
+    assert len(counts) > 2 * torch._dynamo.config.recompile_limit
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.manual_seed(0)
+    idx = torch.randint(0, 128, (2, 16))
+    targets = torch.roll(idx, -1, 1)
+    model = GPT(tiny(n_layer=2, n_loop=8))
+    eager = model(idx, targets, n_loop=3)[1]
+    torch._dynamo.reset()
+    try:
+        model.compile_blocks(backend=counting)
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            for n_loop in counts:
+                model(idx, targets, n_loop=n_loop, backprop_loops=2)[1].backward()
+            training = len(graphs)
+            model.eval()
+            with torch.no_grad():
+                for n_loop in (1, 16, 40):
+                    model(idx, targets, n_loop=n_loop)
+            model.train()
+            evaluation = len(graphs) - training
+            for n_loop in counts[::-1]:
+                model(idx, targets, n_loop=n_loop, backprop_loops=2)[1].backward()
+            compiled = model(idx, targets, n_loop=3)[1]
+        assert training <= 5 and evaluation <= 2 and len(graphs) == training + evaluation
+        torch.testing.assert_close(compiled, eager)
+
+        torch._dynamo.reset()
+        graphs.clear()
+        whole = torch.compile(GPT(tiny(n_layer=2, n_loop=8)), backend=counting)
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            with pytest.raises(Exception, match="recompile_limit"):
+                for n_loop in counts:
+                    whole(idx, targets, n_loop=n_loop)
+        assert len(graphs) == torch._dynamo.config.recompile_limit
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("settings,message", [
     (dict(loop_sampling="uniform", loop_min=0, loop_max=3),
-     "loop_sampling=uniform needs 1 <= loop_min <= loop_max, got loop_min=0 loop_max=3"),
+     "loop_sampling=uniform needs 1 <= loop_min <= loop_max <= 1024 (model.MAX_LOOPS), got loop_min=0 loop_max=3"),
     (dict(loop_sampling="uniform", loop_min=3, loop_max=2),
-     "loop_sampling=uniform needs 1 <= loop_min <= loop_max, got loop_min=3 loop_max=2"),
+     "loop_sampling=uniform needs 1 <= loop_min <= loop_max <= 1024 (model.MAX_LOOPS), got loop_min=3 loop_max=2"),
     (dict(loop_sampling="lognormal_poisson", loop_mean=-2.0),
-     "loop_sampling=lognormal_poisson needs loop_mean >= 1, got -2.0"),
+     "loop_sampling=lognormal_poisson needs 1 <= loop_mean <= 1024 (model.MAX_LOOPS), got -2.0"),
     (dict(loop_sampling="poisson"), "unknown loop_sampling 'poisson'; choose one of fixed, uniform, lognormal_poisson"),
     (dict(loop_mean=2.0), "loop_mean only applies to loop_sampling=lognormal_poisson, not fixed"),
     (dict(loop_sampling="lognormal_poisson", loop_mean=2.0, loop_max=4),

@@ -19,6 +19,14 @@ def run(script, *args, cwd=ROOT):
     return run_script(script, *args, cwd=cwd)
 
 
+def test_a_loop_count_above_max_loops_is_a_one_line_error(bytes_run):
+    result = run("sample.py", f"--out_dir={bytes_run}", "--device=cpu", "--dtype=float32", "--n_loop=5000",
+                 "--num_samples=1", "--max_new_tokens=1")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == ("error: --n_loop must be a loop count from 1 to 1024 (model.MAX_LOOPS), or 0 (the "
+                             "trained one), got 5000\n")
+
+
 def sample(out_dir, *args):
     result = run("sample.py", f"--out_dir={out_dir}", "--device=cpu", "--dtype=float32", *args)
     assert result.returncode == 0, result.stderr
@@ -106,6 +114,24 @@ def test_padded_vocabulary_ids_are_never_sampled(tmp_path):
                tmp_path / "out" / "ckpt.pt")
     text = sample(tmp_path / "out", "--start=Hello", "--num_samples=1", "--max_new_tokens=20")
     assert text.startswith("Hello") and len(text) > len("Hello\n")
+
+
+def test_a_checkpoint_with_a_prelude_coda_and_loop_input_samples_the_same_with_and_without_cache(tmp_path):
+    args = dict(block_size=32, vocab_size=320, n_layer=1, n_loop=2, n_head=2, n_embd=16, n_prelude=1, n_coda=2,
+                loop_input="concat")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**args))
+    with torch.no_grad():  # away from init, where the adapter passes the state through
+        model.transformer.inject.adapter.weight.add_(0.3 * torch.randn(16, 32))
+    os.makedirs(tmp_path / "out")
+    torch.save(dict(program="deeploop-train", model=model.state_dict(), model_args=args, tokenizer="bytes",
+                    optimizer=None, scaler=None, iter_num=0, best_val_loss=None, config={}, rng=None),
+               tmp_path / "out" / "ckpt.pt")
+    argv = ["--start=The ", "--num_samples=1", "--max_new_tokens=40", "--top_k=1", "--n_loop=3"]
+    result = run("sample.py", f"--out_dir={tmp_path / 'out'}", "--device=cpu", "--dtype=float32", *argv)
+    assert result.returncode == 0, result.stderr
+    assert "sampling with 3 loops (unrolled depth 6)" in result.stderr  # 1 + 1 x 3 + 2
+    assert sample(tmp_path / "out", *argv, "--use_cache=False") == result.stdout
 
 
 @pytest.mark.parametrize("case", ["missing checkpoint", "foreign checkpoint", "missing prompt"])

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from model import GPT, TrainLoops
+from model import GPT, GPTConfig, TrainLoops
 from plot import read_metrics
 from prepare_data import prepare
 from scripts import Started, run_script
@@ -197,8 +197,23 @@ def test_a_resumed_run_keeps_its_checkpoints_precision_without_measuring(workdir
     shutil.copytree(half_dir, workdir / "resumed_auto")
     result = train(workdir, "--out_dir=resumed_auto", f"--max_iters={HALF + 1}", "--dropout=0.1", "--init_from=resume",
                    "--dtype=auto")
-    assert "dtype float32: the precision its checkpoint was trained in (a measurement could differ)" in \
+    assert "dtype float32: the precision its checkpoint was trained in on a CPU (a measurement could differ)" in \
         result.stdout.splitlines()
+
+
+def test_a_gpu_checkpoint_resumed_on_a_cpu_gets_the_cpus_precision(workdir, first_half):
+    """A CUDA run's bfloat16 kept on a CPU that emulates bfloat16 ran 3.1x slower than float32: a checkpoint trained
+    on another kind of device gets this device's rule, on a CPU a measurement."""
+    half_dir, _ = first_half
+    shutil.copytree(half_dir, workdir / "from_gpu")
+    ckpt = load(workdir / "from_gpu")
+    ckpt["config"].update(device="cuda:0", dtype="bfloat16")
+    torch.save(ckpt, workdir / "from_gpu" / "ckpt.pt")
+    result = train(workdir, "--out_dir=from_gpu", f"--max_iters={HALF + 1}", "--dropout=0.1", "--init_from=resume",
+                   "--dtype=auto")
+    reason = next(line for line in result.stdout.splitlines() if line.startswith("dtype "))
+    assert re.fullmatch(r"dtype (float32|bfloat16): one block's matrix products \(\d+ x 32, forward and backward\) "
+                        r"measured .*", reason), reason
 
 
 def test_nan_loss_stops_and_keeps_the_last_checkpoint(workdir, first_half):
@@ -251,7 +266,7 @@ def test_two_ddp_processes_equal_one_with_twice_the_accumulation(workdir):
     single_losses = [r["loss"] for r in records(workdir / "single", "train")]
     ddp_losses = [r["loss"] for r in records(workdir / "ddp", "train")]
     assert ddp_losses == pytest.approx(single_losses, rel=1e-6) and len(ddp_losses) == 3
-    assert [r["loops"] for r in records(workdir / "ddp", "train")] == [2, 1, 2]  # TrainLoops.draw(1337, 0..2)
+    assert [r["loops"] for r in records(workdir / "ddp", "train")] == [2, 3, 3]  # TrainLoops.draw(1337, 0..2)
     by_loops = records(workdir / "ddp", "eval")[-1]["val_loss_by_loops"]  # sampled: 1, n_loop and 2 * n_loop
     assert list(by_loops) == ["1", "2", "4"]
     assert list(by_loops.values()) == pytest.approx(
@@ -290,6 +305,41 @@ def test_builtin_data_is_prepared_on_demand_and_kappa_is_one_without_looping(tmp
     for r in evals:  # one visit per block: its gradient is the block's whole gradient
         assert r["loop"]["kappa"] == pytest.approx([1.0, 1.0])
         assert [len(g) for g in r["loop"]["grad_norm"]] == [1, 1]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["--loop_sampling=uniform", "--loop_min=1", "--loop_max=5000"],
+     "loop_sampling=uniform needs 1 <= loop_min <= loop_max <= 1024 (model.MAX_LOOPS), got loop_min=1 loop_max=5000"),
+    (["--eval_loops=1,5000"], 'eval_loops must be loop counts from 1 to 1024 separated by commas, like "1,2,4", got '
+                              "'1,5000'"),
+    (["--loop_sampling=lognormal_poisson", "--loop_mean=1e400"],
+     "loop_sampling=lognormal_poisson needs 1 <= loop_mean <= 1024 (model.MAX_LOOPS), got inf"),
+    (["--n_loop=5000"], "n_loop must be a loop count from 1 to 1024 (model.MAX_LOOPS), got 5000"),
+    (["--seed=-1"], "seed must be from 0 to 2**31 - 1, got -1"),
+])
+def test_a_loop_count_or_seed_out_of_range_is_a_one_line_error(overrides, message, workdir, tmp_path):
+    """A typo in a loop count (--loop_max=1000000000000) ran a step that never ended, growing its memory, or crashed
+    after the first checkpoint (loop_mean=inf); a negative seed ended in numpy's traceback. Each stops before
+    training writes anything. 5000, not the typo itself, and max_iters=0: code without the bound ends too."""
+    result = train(workdir, f"--out_dir={tmp_path / 'typo'}", "--max_iters=0", *overrides, expect_rc=2)
+    assert result.stderr == f"error: {message}\n"
+    assert not (tmp_path / "typo" / "metrics.jsonl").exists() and not (tmp_path / "typo" / "ckpt.pt").exists()
+
+
+def test_mfu_counts_the_loops_each_step_ran(workdir):
+    """MFU over tokens/s is FLOPs per token over peak_flops: the FLOPs of the loops each logged step ran, its backward
+    pass over the tracked loops only. 4 loops sampled on a model built for 1 count as 4 loops."""
+    train(workdir, "--out_dir=mfu", "--max_iters=6", "--n_loop=1", *SAMPLED, "--backprop_loops=2")
+    model = GPT.from_checkpoint(str(workdir / "mfu" / "ckpt.pt"))[0]
+    steps = records(workdir / "mfu", "train")
+    assert {r["loops"] for r in steps} == {1, 2, 3}
+    for r in steps:
+        assert r["mfu"] * 1e12 / r["tokens_per_sec"] == pytest.approx(model.flops_per_token(r["loops"], 2), rel=1e-9)
+    train(workdir, "--out_dir=mfu4", "--max_iters=2", "--n_loop=1", "--loop_sampling=uniform", "--loop_min=4",
+          "--loop_max=4")
+    for r in records(workdir / "mfu4", "train"):
+        assert r["mfu"] * 1e12 / r["tokens_per_sec"] == pytest.approx(
+            GPT(GPTConfig(**{**load(workdir / "mfu4")["model_args"], "n_loop": 4})).flops_per_token(), rel=1e-9)
 
 
 def test_missing_dataset_names_the_command_that_prepares_it(tmp_path):
@@ -637,8 +687,10 @@ def test_bfloat16_autocast_trains_the_paper_backbone_on_cpu(workdir, paper_fp32)
 
 def compiled_and_eager(folder):
     """An eager run of 4 steps, and the same 4 steps compiled, resumed eager after 2, compiled again after 3: started
-    with the session (conftest.py), on the builtin bytes, since compiling takes ~30 s"""
-    run = ["train.py", *TINY, "--dataset=builtin_bytes", "--max_iters=4", "--eval_interval=2", *PAPER]
+    with the session (conftest.py), on the builtin bytes, since compiling takes ~30 s. Loop counts sampled, with
+    truncated backprop, and evaluated at 9 counts: more than dynamo's recompile_limit (8)."""
+    run = ["train.py", *TINY, "--dataset=builtin_bytes", "--max_iters=4", "--eval_interval=2", *PAPER,
+           "--loop_sampling=lognormal_poisson", "--loop_mean=3.0", "--backprop_loops=1", "--eval_loops=1,3,4,5,6,7,8,9"]
     compiled = f"--out_dir={folder / 'compiled'}"
     return [[*run, f"--out_dir={folder / 'eager'}"], [*run, compiled, "--max_iters=2", "--compile=True"],
             [*run, compiled, "--max_iters=3", "--init_from=resume"],
@@ -650,9 +702,17 @@ EARLY = {"test_compiled_checkpoints_resume_uncompiled_and_back": compiled_and_ea
 
 def test_compiled_checkpoints_resume_uncompiled_and_back(early):
     """torch.compile on CPU (inductor): a compiled run trains like an eager one, and its checkpoint (no _orig_mod.
-    prefixes) resumes into an eager run, whose checkpoint resumes into a compiled run again."""
+    prefixes) resumes into an eager run, whose checkpoint resumes into a compiled run again. Every loop count runs
+    compiled: none of them reaches dynamo's recompile_limit, past which it warns and runs the rest uncompiled."""
     result, folder = early
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "recompile_limit" not in result.stderr, result.stderr[-3000:]
+    assert [r["loops"] for r in records(folder / "compiled", "train")] == [2, 4, 5, 5]  # TrainLoops.draw(1337, 0..3)
+    compiled_evals = {r["iter"]: r["val_loss_by_loops"] for r in records(folder / "compiled", "eval")}
+    for r in records(folder / "eager", "eval"):  # steps 0, 2, 4 (the compiled run evaluates at 3 too, its end)
+        assert list(compiled_evals[r["iter"]]) == [str(loops) for loops in range(1, 10)]
+        assert list(compiled_evals[r["iter"]].values()) == pytest.approx(list(r["val_loss_by_loops"].values()),
+                                                                         rel=1e-4)
     assert not [k for k in load(folder / "compiled")["model"] if k.startswith("_orig_mod.")]
     assert load(folder / "compiled")["iter_num"] == 4
     eager = {r["iter"]: r["loss"] for r in records(folder / "eager", "train")}
@@ -668,7 +728,7 @@ def test_checkpoint_from_before_the_backbone_settings_resumes_as_gpt2_blocks(wor
     half_dir, _ = first_half
     shutil.copytree(half_dir, workdir / "old")
     ckpt = load(workdir / "old")
-    for key in ("norm", "position_encoding", "norm_branch_input"):
+    for key in ("norm", "position_encoding", "norm_branch_input", "n_prelude", "n_coda", "loop_input"):
         del ckpt["model_args"][key]
     torch.save(ckpt, workdir / "old" / "ckpt.pt")
     result = train(workdir, "--out_dir=old", "--init_from=resume", "--norm=rmsnorm", "--dropout=0.1", expect_rc=2)
@@ -677,6 +737,31 @@ def test_checkpoint_from_before_the_backbone_settings_resumes_as_gpt2_blocks(wor
         "config unchanged"]
     train(workdir, "--out_dir=old", "--init_from=resume", f"--max_iters={HALF + 1}", "--dropout=0.1")
     assert load(workdir / "old")["iter_num"] == HALF + 1
+
+
+def test_prelude_coda_and_loop_input_travel_in_the_checkpoint_and_bad_ones_are_one_line_errors(workdir):
+    """Huginn's shape with sampled loop counts and truncated backprop: the checkpoint carries the settings, the loop
+    diagnostics cover the core's visits, and resuming with another loop_input or a bad value stops with one line."""
+    huginn = ["--n_prelude=1", "--n_coda=1", "--loop_input=concat", *SAMPLED, "--backprop_loops=1"]
+    train(workdir, "--out_dir=huginn", "--max_iters=4", *huginn)
+    ckpt = load(workdir / "huginn")
+    assert {k: ckpt["model_args"][k] for k in ("n_prelude", "n_coda", "loop_input")} == dict(
+        n_prelude=1, n_coda=1, loop_input="concat")
+    model, _ = GPT.from_checkpoint(os.path.join(workdir, "huginn", "ckpt.pt"))
+    assert (len(model.transformer.prelude), len(model.transformer.coda), model.config.unrolled_depth) == (1, 1, 6)
+    assert model.alpha == pytest.approx(12 ** 0.5)  # N = 1 + 2 x 2 + 1
+    assert {r["loops"] for r in records(workdir / "huginn", "train")} <= {1, 2, 3}
+    loop = records(workdir / "huginn", "eval")[-1]["loop"]
+    assert len(loop["residual_rms"]) == 4 and len(loop["kappa"]) == 2  # 2 core blocks x 2 loops
+    for override, message in [
+        ("--loop_input=add", "resuming huginn/ckpt.pt with another model: loop_input='add' (checkpoint: 'concat'); "
+                             "use the run's config unchanged"),
+        ("--n_coda=-1", "n_prelude and n_coda must be >= 0 (0 = none), got n_prelude=1 n_coda=-1"),
+        ("--loop_input=gate", "unknown loop_input 'gate'; choose one of none, add, concat")]:
+        result = train(workdir, "--out_dir=huginn", "--init_from=resume", "--max_iters=5", *huginn, override,
+                       expect_rc=2)
+        assert result.stderr == f"error: {message}\n"
+    assert load(workdir / "huginn")["iter_num"] == 4  # nothing overwritten
 
 
 def test_a_task_run_logs_accuracy_by_k_and_the_shortcuts(tmp_path):
