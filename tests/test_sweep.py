@@ -269,3 +269,7 @@ def test_a_variant_runs_its_model_settings_and_labels_its_rows(tmp_path):
     assert (start["config"]["n_prelude"], start["config"]["n_coda"], start["config"]["loop_input"]) == (1, 1, "concat")
     assert start["config"]["residual"] == "preln"
     assert "| preln+huginn | 2 | 0.001 |" in (out / "results.md").read_text()
+    # at R = 1 an injected input is never read: the sweep does not run it
+    r = sweep_made_up("--mode=depth", f"--out_dir={out}", "--schemes=preln+add", "--loops=1", "--seeds=0",
+                      "--learning_rates=1e-3")
+    assert "depth sweep: 0 runs" in r.stdout
