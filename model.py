@@ -286,6 +286,28 @@ def apply_rotary(x, cos, sin):
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 
 
+def linear_probe(features, labels, fit, floor=1e-3):
+    """Accuracy of a linear read-out of `labels` (n,) from `features` (n, d): least squares onto the labels' one-hot
+    codes on the rows where `fit` (n,) is True, scored by argmax on the other rows, where a label the fit rows never
+    showed counts as missed. The features are centred and divided by the stream's RMS (one number: the read-out
+    does not depend on the stream's scale, which grows in Pre-LN and stays 1 in Post-LN), and only directions that
+    vary by more than `floor` of that RMS are read: rounding varies a stream by a millionth, and a read-out of it
+    would still tip the argmax between near-tied labels. 1.0: the stream still tells the labels apart linearly;
+    the most frequent label's share: it no longer does."""
+    x = features.detach().double()
+    x = (x - x[fit].mean(0)) / x[fit].pow(2).mean().sqrt().clamp_min(1e-30)
+    classes, code = labels[fit].unique(return_inverse=True)
+    a, b = x[fit], x[~fit]
+    target = torch.zeros(a.size(0), classes.numel(), dtype=x.dtype, device=x.device)
+    target[torch.arange(a.size(0), device=x.device), code] = 1
+    prior = target.mean(0)  # the intercept, since the features are centred
+    u, s, vh = torch.linalg.svd(a, full_matrices=False)
+    keep = s > floor * a.size(0) ** 0.5  # s / sqrt(n): the RMS of the stream along that direction
+    weight = vh[keep].T @ ((u[:, keep].T @ (target - prior)) / s[keep, None])
+    predicted = classes[(b @ weight + prior).argmax(1)]
+    return (predicted == labels[~fit]).double().mean().item()
+
+
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
@@ -556,21 +578,26 @@ class GPT(nn.Module):
         """What looping does inside the network, on one batch:
             residual_rms[v]   RMS of the residual stream after unrolled visit v (n_layer * n_loop values);
             grad_norm[b][r]   norm of the gradient that visit r contributes to physical block b;
-            kappa[b]          the visit-alignment coefficient of block b (below).
+            kappa[b]          the visit-alignment coefficient of block b (below);
+            token_probe[v]    how well a linear read-out recovers each position's input token from the stream
+                              after visit v (linear_probe, fit on the first half of the batch's sequences and scored
+                              on the other half); [0] reads the core's input (the embedded input), [v] visit v's output;
+            position_probe[v] the same for each position's index: what a pointer to a cell must find.
         Each visit runs the block with its own leaf copy of the block's parameters (sharing storage), so autograd
-        hands back the per-visit gradient contributions g_r, whose sum is the block's real gradient. All three cover
+        hands back the per-visit gradient contributions g_r, whose sum is the block's real gradient. All of them cover
         the looped core only; the prelude and coda run as in forward."""
         L, R = self.config.n_layer, self.config.n_loop
         rope = self._rope(0, idx.size(1))
         e = self._run(self.transformer.prelude, self._embed(idx), [None] * self.config.n_prelude, rope)
-        x, residual_rms, visit_params = None, [], []
+        x, residual_rms, visit_params, streams = None, [], [], [e.detach()]
         for _ in range(R):
             x = self._loop_input(x, e)
             for block in self.transformer.h:
                 params = {name: p.detach().requires_grad_() for name, p in block.named_parameters()}
                 x = functional_call(block, params, (x, None, rope))
                 visit_params.append(params)
-                residual_rms.append(x.detach().pow(2).mean().sqrt().item())
+                streams.append(x.detach())
+                residual_rms.append(streams[-1].pow(2).mean().sqrt().item())
         x = self._run(self.transformer.coda, x, [None] * self.config.n_coda, rope)
         loss = self._loss(self.lm_head(self.transformer.ln_f(x)), targets)
         grads = torch.autograd.grad(loss, [p for params in visit_params for p in params.values()])
@@ -587,7 +614,14 @@ class GPT(nn.Module):
             sq = [gr.pow(2).sum() for gr in g]
             grad_norm.append([s.sqrt().item() for s in sq])
             kappa.append((sum(g).pow(2).sum() / sum(sq).clamp_min(1e-30)).item())
-        return dict(residual_rms=residual_rms, grad_norm=grad_norm, kappa=kappa)
+        # what each position's stream still holds of what its cell is: its input token and its position
+        B, T = idx.shape
+        fit = torch.arange(B, device=idx.device).repeat_interleave(T) < B // 2
+        positions = torch.arange(T, device=idx.device).repeat(B)
+        token_probe, position_probe = ([linear_probe(s.reshape(B * T, -1), labels, fit) for s in streams]
+                                       for labels in (idx.reshape(-1), positions))
+        return dict(residual_rms=residual_rms, grad_norm=grad_norm, kappa=kappa, token_probe=token_probe,
+                    position_probe=position_probe)
 
     def compile_blocks(self, **options):
         """torch.compile every Block in place, and the loss (options as torch.compile's, e.g. backend=): how train.py

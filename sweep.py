@@ -101,6 +101,16 @@ BUDGETS = {
     "depth": dict(batch_size=32, max_iters=500, warmup_iters=100),  # 90 runs in 27 min (at 600 steps: 32)
     "transfer on chains": dict(batch_size=32, max_iters=200, warmup_iters=50),  # 288 runs in 30.6 min
 }
+# Model variants a scheme can run in, as `--schemes=deeploop+concat`: the designs of the recurrent-depth models
+# (model.LoopInput; Huginn's prelude / core / coda) and the training levers tried on looped Post-LN blocks
+VARIANTS = {
+    "": {},
+    "add": dict(loop_input="add"),
+    "concat": dict(loop_input="concat"),
+    "121": dict(n_prelude=1, n_coda=1),  # 1 prelude block, the core of n_layer looped, 1 coda block
+    "huginn": dict(n_prelude=1, n_coda=1, loop_input="concat"),
+}
+INJECTED = ("add", "concat")  # variants that differ from the scheme alone only from the second loop on
 MODEL_AND_BUDGET = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "max_iters", "warmup_iters",
                     "eval_iters")
 # Appendix C of the paper: runs out of 5 (GPT-2 small, R = 3, ~2,700 steps) that escaped the unigram floor
@@ -130,15 +140,26 @@ def number_list(name, kind):
         die(f"{name} must be comma-separated {kind.__name__}s like {MODES['loops'][name]}, got {text!r}")
 
 
+def split_scheme(scheme):
+    """'deeploop+huginn' -> ('deeploop', 'huginn'): a residual scheme, and the variant of the model it runs in."""
+    residual, _, variant = scheme.partition("+")
+    return residual, variant
+
+
 scheme_list = str(schemes or MODES[grid_name]["schemes"]).split(",")
 loop_list, seed_list = number_list("loops", int), number_list("seeds", int)
 exponent_list, lr_list = number_list("exponents", float), number_list("learning_rates", float)
 for scheme in scheme_list:
     known = RESIDUALS + (("untied",) if mode == "depth" else ())
-    if scheme not in known:
-        die(f"unknown scheme '{scheme}' in --schemes; use {', '.join(known)}")
-    if scheme not in OWN_EXPONENT and any(exponent_list):
-        die(f"--exponents apply to deeploop and deepnorm only, not {scheme}; drop it from --schemes")
+    residual, variant = split_scheme(scheme)
+    if residual not in known:
+        die(f"unknown scheme '{residual}' in --schemes; use {', '.join(known)}")
+    if variant not in VARIANTS:
+        die(f"unknown variant '{variant}' in --schemes={scheme}; use {', '.join(v for v in VARIANTS if v)} after a +")
+    if residual == "untied" and variant:
+        die(f"the untied control takes no variant: use --schemes=untied, not {scheme}")
+    if residual not in OWN_EXPONENT and any(exponent_list):
+        die(f"--exponents apply to deeploop and deepnorm only, not {residual}; drop it from --schemes")
 
 
 def unigram_floor(data_dir):
@@ -169,25 +190,27 @@ def train(scheme, n_loop, exponent, lr, seed):
     """One train.py run -> its result dict (also saved as result.json in the run's folder)."""
     name = f"{scheme}_R{n_loop}_p{exponent:g}_lr{lr:g}_seed{seed}"
     run_dir = os.path.join(out_dir, "runs", name)
+    residual, variant = split_scheme(scheme)
     result_path = os.path.join(run_dir, "result.json")
     if os.path.isfile(result_path):
         with open(result_path) as f:
             return json.load(f)
     if on_chains:
         # the untied control: the same unrolled depth as R loops over n_layer blocks, every block its own
-        untied = scheme == "untied"
-        args = dict(mode_budget, out_dir=run_dir, residual="preln" if untied else scheme, residual_exponent=exponent,
-                    n_layer=n_layer * n_loop if untied else n_layer, n_loop=1 if untied else n_loop,
-                    learning_rate=lr, min_lr=lr / 10, seed=seed, device="cpu", dtype=run_dtype, compile=False)
+        untied = residual == "untied"
+        args = dict(mode_budget, out_dir=run_dir, residual="preln" if untied else residual,
+                    residual_exponent=exponent, n_layer=n_layer * n_loop if untied else n_layer,
+                    n_loop=1 if untied else n_loop, learning_rate=lr, min_lr=lr / 10, seed=seed, device="cpu",
+                    dtype=run_dtype, compile=False, **VARIANTS[variant])
         args.update(lr_decay_iters=args["max_iters"], eval_interval=args["max_iters"])
         cmd = [sys.executable, "train.py", DEPTH_CONFIG] + [f"--{k}={v}" for k, v in args.items()]
     else:
-        args = dict(out_dir=run_dir, dataset=dataset, residual=scheme, residual_exponent=exponent, n_layer=n_layer,
+        args = dict(out_dir=run_dir, dataset=dataset, residual=residual, residual_exponent=exponent, n_layer=n_layer,
                     n_loop=n_loop, n_head=n_head, n_embd=n_embd, block_size=block_size, batch_size=batch_size,
                     gradient_accumulation_steps=1, dropout=0.0, learning_rate=lr, min_lr=lr / 10,
                     warmup_iters=warmup_iters, max_iters=max_iters, lr_decay_iters=max_iters,
                     eval_interval=max_iters, eval_iters=eval_iters, log_interval=max(1, max_iters // 25), seed=seed,
-                    device="cpu", dtype=run_dtype, compile=False)
+                    device="cpu", dtype=run_dtype, compile=False, **VARIANTS[variant])
         cmd = [sys.executable, "train.py"] + [f"--{k}={v}" for k, v in args.items()]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     t0 = time.time()
@@ -277,10 +300,11 @@ def sweep_dtype():
 
 t_start = time.time()
 grid = [(s, r, p, lr, seed) for s in scheme_list for r in loop_list for p in exponent_list for lr in lr_list
-        for seed in seed_list if (s, r) != ("untied", 1)]  # untied at R = 1 is Pre-LN at R = 1
+        for seed in seed_list if (s, r) != ("untied", 1) and not (r == 1 and split_scheme(s)[1] in INJECTED)]
+# untied at R = 1 is Pre-LN at R = 1; an injected input at R = 1 is never read (it enters between loops)
 if not grid:
-    die("the grid has no runs: untied at R = 1 would be Pre-LN at R = 1, so it runs at loop counts above 1 only; "
-        "add one to --loops")
+    die("the grid has no runs: untied at R = 1 would be Pre-LN at R = 1, and an injected input is never read at R = 1, "
+        "so they run at loop counts above 1 only; add one to --loops")
 if not on_chains:
     data_dir = prepare_builtin_if_missing(dataset)  # once, here: parallel runs must not all start preparing it
     try:
@@ -452,7 +476,8 @@ lines = [f"# sweep.py --mode={mode}" + (" --dataset=chains" if on_chains else ""
          f"| scheme | R | p | lr | {escape_word} | {what} (all) | {what} ({escape_word}) | kappa_R |",
          "|---|---|---|---|---|---|---|---|"]
 for (s, r, p, lr), st in stats.items():
-    p_text = f"{p or OWN_EXPONENT[s]:g}" if s in OWN_EXPONENT else "—"
+    residual = split_scheme(s)[0]
+    p_text = f"{p or OWN_EXPONENT[residual]:g}" if residual in OWN_EXPONENT else "—"
     diverged = f" ({st['diverged']} diverged)" if st["diverged"] else ""
     lines.append(f"| {s} | {r} | {p_text} | {lr:g} | {st['escaped']}/{st['runs']}{diverged} | {fmt(st['score'])} | "
                  f"{fmt(st['escaped_score'])} | {fmt(st['kappa'], 2)} |")
@@ -572,7 +597,7 @@ if mode == "exponent":
     for s in scheme_list:
         for r in loop_list:
             for lr in lr_list:
-                ps = [p or OWN_EXPONENT[s] for p in exponent_list]
+                ps = [p or OWN_EXPONENT[split_scheme(s)[0]] for p in exponent_list]
                 fractions = [stats[s, r, p, lr]["escaped"] / stats[s, r, p, lr]["runs"] for p in exponent_list]
                 ax.plot(ps, fractions, marker="o", label=f"this repo: {s} R={r} lr {lr:g}")
     ax.plot(list(PAPER_ESCAPED), [n / 5 for n in PAPER_ESCAPED.values()], marker="s", ls="--", color="black",

@@ -10,7 +10,7 @@ from torch.func import functional_call
 from torch.nn import functional as F
 
 from model import (GPT, LOOP_INPUTS, LOOP_STREAM, MAX_LOOPS, GPTConfig, KVCache, NORMS, POSITION_ENCODINGS, PRE_LN,
-                   RESIDUALS, TrainLoops, apply_rotary, branch_scale, residual_coefficients)
+                   RESIDUALS, TrainLoops, apply_rotary, branch_scale, linear_probe, residual_coefficients)
 
 
 def tiny(**kw):
@@ -869,3 +869,35 @@ def test_bad_prelude_coda_and_loop_input_are_rejected(kw, message):
     with pytest.raises(ValueError) as e:
         tiny(**kw)
     assert str(e.value) == message
+
+
+def test_linear_probe_reads_a_label_that_the_features_hold_and_not_one_they_do_not():
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 24, (1024,), generator=g)
+    fit = torch.arange(1024) < 512
+    codes = torch.randn(24, 16, generator=g)  # 24 classes in 16 dimensions: not one-hot, still linearly apart
+    holds = codes[labels] * 1e3 + 30 * torch.randn(1024, 16, generator=g)  # the scale does not matter
+    assert linear_probe(holds, labels, fit) == 1.0
+    # features independent of the labels: no better than the most frequent held-out label (chance is 1/24)
+    unrelated = torch.randn(1024, 16, generator=g)
+    assert linear_probe(unrelated, labels, fit) <= torch.bincount(labels[~fit]).max().item() / 512 + 0.02
+    # a label that only the scored rows show is never predicted: it counts as missed
+    labels[~fit] = 99
+    assert linear_probe(holds, labels, fit) == 0.0
+
+
+def test_loop_diagnostics_probe_what_the_stream_holds_after_each_visit():
+    torch.manual_seed(0)
+    model = GPT(tiny(n_layer=2, n_loop=2, residual="preln", vocab_size=16))  # 16 tokens, 32 positions in 32 dims
+    idx = torch.randint(0, 16, (16, 32))
+    diag = model.loop_diagnostics(idx, torch.roll(idx, -1, 1))
+    # the embedded input and, at init, every visit's output still tell the token and position apart
+    assert diag["token_probe"] == [1.0] * 5 and diag["position_probe"] == [1.0] * 5
+    # a Post-LN block whose last norm has no gain writes its bias, one vector for all positions: nothing to read
+    model = GPT(tiny(n_layer=2, n_loop=2, residual="postln", vocab_size=16))
+    with torch.no_grad():
+        model.transformer.h[1].ln_2.weight.zero_()
+        model.transformer.h[1].ln_2.bias.normal_()
+    diag = model.loop_diagnostics(idx, torch.roll(idx, -1, 1))
+    assert diag["token_probe"][:2] == [1.0, 1.0] and max(diag["token_probe"][2:]) < 0.2
+    assert max(diag["position_probe"][2:]) < 0.2

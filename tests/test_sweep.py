@@ -315,12 +315,32 @@ def test_depth_task_runs_are_tested_in_their_precision_measured_at_their_shapes(
     (["--mode=lr", "--schemes=preln", "--exponents=0.3"],
      "--exponents apply to deeploop and deepnorm only, not preln; drop it from --schemes"),
     (["--mode=depth", "--schemes=untied", "--loops=1"],
-     "the grid has no runs: untied at R = 1 would be Pre-LN at R = 1, so it runs at loop counts above 1 only; add one "
-     "to --loops"),
+     "the grid has no runs: untied at R = 1 would be Pre-LN at R = 1, and an injected input is never read at R = 1, so "
+     "they run at loop counts above 1 only; add one to --loops"),
     (["--dataset=nonexistent"], "dataset data/nonexistent not found (no data/nonexistent/meta.json): prepare it "
                                 "with: python prepare_data.py <files> --out=data/nonexistent"),
+    (["--schemes=deeploop+gate"], "unknown variant 'gate' in --schemes=deeploop+gate; use add, concat, 121, huginn "
+                                  "after a +"),
+    (["--mode=depth", "--schemes=untied+add"], "the untied control takes no variant: use --schemes=untied, not "
+                                               "untied+add"),
 ])
 def test_bad_settings_are_one_line_errors(args, message):
     r = sweep(*args)
     assert r.returncode == 2
     assert r.stderr == f"error: {message}\n"
+
+
+def test_a_variant_runs_its_model_settings_and_labels_its_rows(tmp_path):
+    """--schemes=preln+huginn: one real (2-step) run on the depth task trains Huginn's layout, and the tables name it"""
+    out = tmp_path / "variant"
+    r = sweep("--mode=depth", f"--out_dir={out}", "--schemes=preln+huginn", "--loops=2", "--learning_rates=1e-3",
+              "--seeds=0", "--max_iters=2", "--batch_size=4", "--eval_iters=1")
+    assert r.returncode == 0, r.stderr
+    start = read_metrics(out / "runs" / "preln+huginn_R2_p0_lr0.001_seed0" / "metrics.jsonl")[0]
+    assert (start["config"]["n_prelude"], start["config"]["n_coda"], start["config"]["loop_input"]) == (1, 1, "concat")
+    assert start["config"]["residual"] == "preln"
+    assert "| preln+huginn | 2 | 0.001 |" in (out / "results.md").read_text()
+    # at R = 1 an injected input is never read: the sweep does not run it
+    r = sweep_made_up("--mode=depth", f"--out_dir={out}", "--schemes=preln+add", "--loops=1", "--seeds=0",
+                      "--learning_rates=1e-3")
+    assert r.returncode == 2 and r.stderr.startswith("error: the grid has no runs: untied at R = 1 would be Pre-LN")
