@@ -290,7 +290,8 @@ def test_sampled_loop_counts_continue_on_resume_and_evaluations_report_several_d
                              "run's config unchanged\n")
     result = run_script("plot.py", "sampled", "--png=sampled.png", cwd=workdir)
     by_loops = records(workdir / "sampled", "eval")[-1]["val_loss_by_loops"]
-    assert result.stdout.splitlines()[-1] == "| deeploop, n_loop=2 (trained at uniform 1..3) | " + \
+    depth_table = result.stdout.split("val loss at the last evaluation, by loop count at test time:")[1]
+    assert depth_table.split("\n\n")[1].splitlines()[-1] == "| deeploop, n_loop=2 (trained at uniform 1..3) | " + \
         " | ".join(f"{by_loops[loops]:.3f}" for loops in "123") + " |"
 
 
