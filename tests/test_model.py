@@ -960,13 +960,13 @@ def agree_after(monkeypatch, m):
     blocks computed (they still run on the state they get, and fill the cache), so the state, and with it p_r, is
     the same from loop m on: loop m + 1 is the first whose KL to its predecessor is 0."""
     count = [0]
-    direction = torch.randn(32, generator=torch.Generator().manual_seed(0))
 
     def loop(self, state, e, caches, rope):
         GPT_LOOP(self, state, e, caches, rope)
         count[0] = 1 if state is None else count[0] + 1
         steps = torch.as_tensor(m).clamp(max=count[0]).to(e.dtype)[..., None]
-        return e + steps * e.std() * direction.to(e.dtype)
+        direction = torch.randn(e.size(-1), generator=torch.Generator().manual_seed(0)).to(e.dtype)
+        return e + steps * e.std() * direction
 
     monkeypatch.setattr(GPT, "loop", loop)
 
