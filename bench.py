@@ -6,6 +6,7 @@ KV cache for 1 and batch_size sequences, the cached step against its memory floo
     python bench.py --compare_dtypes=True                  # float32, bfloat16, bfloat16 compiled: training, ratios
     python bench.py --compare_depths=True --gen_tokens=0   # and 8 blocks x 1 loop, same FLOPs: the ratio
     python bench.py --tuned_malloc=False                   # glibc's default allocator policy (see common.tune_malloc)
+    python bench.py --compare_caches=True                  # kv_cache per_visit against last_loop; adaptive exit's test
     python bench.py --compile=True --n_layer=6 --n_loop=2 --n_head=12 --n_embd=768 --block_size=1024 --batch_size=12
                                                            # config/loop_small.py's model
 
@@ -34,7 +35,7 @@ import torch._dynamo
 
 from common import autocast_context, choose_dtype, default_peak_flops, synchronize, tune_malloc
 from configurator import configure, die
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, KV_CACHES
 
 # model
 n_layer = 2
@@ -61,6 +62,9 @@ gen_prompt_len = 16  # keep gen_prompt_len + gen_tokens <= block_size, or the ca
 compare_depths = False  # also bench n_layer * n_loop blocks x 1 loop (same unrolled FLOPs) and print the ratio
 compare_dtypes = False  # bench float32, bfloat16 and bfloat16 compiled side by side (instead of dtype and compile)
 compare_seconds = 60.0  # about how long compare_dtypes takes in all, a third for each precision (see above)
+# also decode with each kv_cache layout (GPT.new_kv_cache): the bytes the cache allocates and the cached step's time;
+# and the cost of adaptive exit's test after every loop (GPT.exit_logits, with a threshold that no loop passes)
+compare_caches = False
 tuned_malloc = True  # False keeps glibc's default allocator policy, to measure what common.tune_malloc gains
 peak_flops = 0.0  # for MFU; 0 picks a default for the device (default_peak_flops below)
 seed = 1337
@@ -152,15 +156,58 @@ def train_steps(runs, x, y, share):
     return [statistics.median(run_times) for run_times in times], len(times[0])
 
 
-def generation_step(model, ctx, prompt, use_cache):
-    """Seconds per step of model.generate (one new token for each of the prompt's sequences)."""
+
+def generation_step(model, ctx, prompt, use_cache, **kw):
+    """Seconds per step of model.generate (one new token for each of the prompt's sequences); kw: generate's."""
     with ctx:
         # warm-up; 4 tokens reach the steady state of both paths, including torch.compile's recompiles
-        model.generate(prompt, 4, top_k=200, use_cache=use_cache)
+        model.generate(prompt, 4, top_k=200, use_cache=use_cache, **kw)
         synchronize(device)
         t0 = time.perf_counter()
-        model.generate(prompt, gen_tokens, top_k=200, use_cache=use_cache)
+        model.generate(prompt, gen_tokens, top_k=200, use_cache=use_cache, **kw)
         synchronize(device)
+    return (time.perf_counter() - t0) / gen_tokens
+
+
+def cache_bytes(model, ctx, prompt, kv_cache):
+    """Bytes of the buffers that a cache of this layout allocates for the prompt's sequences (room for block_size
+    positions each)."""
+    cache = model.new_kv_cache(kv_cache=kv_cache)
+    with ctx, torch.no_grad():
+        model(prompt, kv_cache=cache)
+    return sum(c.k.nbytes + c.v.nbytes for c in {id(c.store): c.store for c in cache}.values())
+
+
+def compare_caches_lines(model, ctx, prompt):
+    """compare_caches' lines for these sequences: each layout's bytes and cached step, then the exit test's cost."""
+    sequences, lines, steps = prompt.size(0), [], {}
+    for kv_cache in KV_CACHES:
+        steps[kv_cache] = generation_step(model, ctx, prompt, True, kv_cache=kv_cache)
+        lines.append(f"cache {kv_cache}: {cache_bytes(model, ctx, prompt, kv_cache) / 1e6:.3g} MB for {sequences} x "
+                     f"{block_size} positions, cached {steps[kv_cache] * 1e3:.2f} ms/step "
+                     f"({sequences / steps[kv_cache]:.1f} tokens/s)")
+    one_loop = generation_step(model, ctx, prompt, True, n_loop=1)
+    tested = exit_test_step(model, ctx, prompt)
+    per_loop = (steps["per_visit"] - one_loop) / max(n_loop - 1, 1)
+    lines.append(f"exit test: all {n_loop} loops, each followed by the KL test: {tested * 1e3:.2f} ms/step "
+                 f"({sequences / tested:.1f} tokens/s); a loop costs {per_loop * 1e3:.3f} ms, a test "
+                 f"{(tested - steps['per_visit']) / (n_loop + 1) * 1e3:.3f} ms")
+    return lines
+
+
+def exit_test_step(model, ctx, prompt):
+    """Seconds per cached greedy decode step of GPT.exit_logits at threshold 0, which no KL passes: every loop, each
+    followed by the test (generate's adaptive exit, without its sampling), with generate's copy of the output layer."""
+    head = model.lm_head.weight.t().contiguous()
+    with ctx, torch.no_grad():
+        for tokens in (4, gen_tokens):  # a warm-up, then the timed run
+            cache = model.new_kv_cache()
+            logits = model.exit_logits(prompt, 0.0, kv_cache=cache, head=head)[0]
+            synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(tokens):
+                logits = model.exit_logits(logits[:, -1:].argmax(-1), 0.0, kv_cache=cache, head=head)[0]
+            synchronize(device)
     return (time.perf_counter() - t0) / gen_tokens
 
 
@@ -219,6 +266,8 @@ for precision in precisions:
                       f"{uncached * 1e3:.2f} ms/step ({sequences / uncached:.1f} tokens/s), cache speed-up "
                       f"{uncached / cached:.1f}x; a cached step reads {step_bytes / 1e6:.3g} MB: floor "
                       f"{floor * 1e3:.3g} ms, cached step {cached / floor:.2f}x the floor")
+                if compare_caches:
+                    print("\n".join(compare_caches_lines(model, ctx, prompt)))
         sys.stdout.flush()
     del runs, model, optimizer  # this precision's models and optimizer states, before the next precision's
 if compare_dtypes:

@@ -4,6 +4,7 @@ with and at others (test-time depth), beside the best shortcut, and a few of its
 
     python depth_eval.py --out_dir=out-depth
     python depth_eval.py --out_dir=out-depth --loops=1,2,4,8,16 --examples=2
+    python depth_eval.py --out_dir=out-depth-sampled --loops=1,2,4,8 --exit_thresholds=1e-3,1e-2   # adaptive exit
 
 The val batches are the ones train.py evaluates on, in the precision it evaluates in (the run's dtype, under
 autocast: tasks.run_precision), so the trained loop count reproduces the run's last accuracy.
@@ -16,11 +17,14 @@ import torch
 from configurator import configure, die
 from dataset import EVAL_SEED
 from model import GPT, MAX_LOOPS
-from tasks import TASKS, best_shortcut, evaluate, format_by_k, make_task, run_precision, shortcuts
+from tasks import TASKS, best_shortcut, evaluate, evaluate_exit, format_by_k, make_task, run_precision, shortcuts
 
 out_dir = "out-depth"  # the train.py run: reads out_dir/ckpt.pt
 loops = ""             # loop counts to evaluate at, comma-separated; "" = the trained count only
 examples = 2           # solved and failed answers shown at each k that has both (0: none)
+# adaptive exit (model.GPT.exit_logits) at each of these KL thresholds, comma-separated, at most the largest of loops:
+# accuracy by k, and the loops the answers at each k took (mean and standard deviation)
+exit_thresholds = ""
 device = "cpu"
 configure(globals(), sys.argv[1:])
 if examples < 0:
@@ -41,6 +45,12 @@ except ValueError:
 if not all(1 <= c <= MAX_LOOPS for c in loop_counts):
     die(f"loop counts must be from 1 to {MAX_LOOPS} (model.MAX_LOOPS), got {loops!r}")
 dtype, autocast = run_precision(checkpoint, device)
+try:
+    thresholds = [float(v) for v in str(exit_thresholds).split(",")] if exit_thresholds != "" else []
+except ValueError:
+    die(f"exit_thresholds must be comma-separated numbers like 1e-3,1e-2, got {exit_thresholds!r}")
+if not all(t >= 0 for t in thresholds):
+    die(f"exit thresholds must be >= 0 (0 = off), got {exit_thresholds!r}")
 task = make_task(config, "val", EVAL_SEED)
 n_batches, batch_size = config["eval_iters"], config["batch_size"]
 
@@ -54,6 +64,14 @@ for n_loop in loop_counts:
     accuracy = evaluate(model, task, n_batches, batch_size, n_loop, autocast)
     trained = " (trained)" if n_loop == model.config.n_loop else ""
     print(f"{f'{n_loop} loops{trained}':>16}: {format_by_k(accuracy)}")
+for threshold in thresholds:
+    accuracy, loops_by_k = evaluate_exit(model, task, n_batches, batch_size, threshold, max(loop_counts),
+                                             autocast)
+    used = torch.cat(list(loops_by_k.values()))
+    print(f"{f'exit at KL {threshold:g}':>16}: {format_by_k(accuracy)}; loops by k "
+          f"{' '.join(f'{v.mean():.2f}' for v in loops_by_k.values())}, sd "
+          f"{' '.join(f'{v.std(correction=0):.2f}' for v in loops_by_k.values())}; mean {used.mean():.2f} of at "
+          f"most {max(loop_counts)}")
 
 if examples:
     # the first sequences' answers at each k, solved and failed, at the trained loop count

@@ -30,6 +30,7 @@ NORMS = ("layernorm", "rmsnorm")
 POSITION_ENCODINGS = ("learned", "rope")
 LOOP_SAMPLINGS = ("fixed", "uniform", "lognormal_poisson")
 LOOP_INPUTS = ("none", "add", "concat")
+KV_CACHES = ("per_visit", "last_loop")  # generate's cache layouts (GPT.new_kv_cache)
 # The most loops a forward pass may run, in training, evaluation and generation. A training step never ends early
 # (train.py lets a step finish on SIGTERM before it saves), so a step must end in bounded time; and a typo such as
 # --loop_max=1000000000000 would otherwise grow the list of visits until the memory runs out. 1024 is 32 times
@@ -246,22 +247,32 @@ class TrainLoops:
 class KVCache:
     """The keys and values that one unrolled visit of a block has computed so far, kept for generation. The buffers
     have room for a whole block_size context and are filled in place, so that no step copies the cache to grow it,
-    and a compiled decode step sees the same buffers at every token."""
+    and a compiled decode step sees the same buffers at every token. With store, another KVCache, this one reads and
+    writes that one's buffers and keeps only its own count of positions: kv_cache=last_loop (GPT.new_kv_cache) gives
+    every visit of a core block its own KVCache over one store, so that a later loop of a position overwrites what
+    the earlier loops wrote there."""
 
-    def __init__(self):
+    def __init__(self, store=None):
+        self.store = store or self  # whose buffers
         self.k = self.v = None  # (B, n_head, block_size, head_size) each, allocated at the first visit
         self.past = 0           # positions filled
 
     def update(self, k, v, block_size):
         """Write the new positions' k and v (B, n_head, T, head_size) after the past ones -> the keys and values of
         all positions so far."""
-        if self.k is None:
-            self.k = k.new_empty(*k.shape[:2], block_size, k.size(3))
-            self.v = v.new_empty(*v.shape[:2], block_size, v.size(3))
+        store = self.store
+        if store.k is None:
+            store.k = k.new_empty(*k.shape[:2], block_size, k.size(3))
+            store.v = v.new_empty(*v.shape[:2], block_size, v.size(3))
         end = self.past + k.size(2)
-        self.k[:, :, self.past:end], self.v[:, :, self.past:end] = k, v
+        store.k[:, :, self.past:end], store.v[:, :, self.past:end] = k, v
         self.past = end
-        return self.k[:, :, :end], self.v[:, :, :end]
+        return store.k[:, :, :end], store.v[:, :, :end]
+
+    def rewrite(self, start, k, v, block_size):
+        """Replace the keys and values of the positions from start on with k and v (only those positions count)."""
+        self.past = start
+        self.update(k, v, block_size)
 
 
 def make_norm(config):
@@ -524,29 +535,145 @@ class GPT(nn.Module):
         for r in range(loops):
             with torch.no_grad() if r < untracked else nullcontext():
                 x = self.loop(x, e, caches[P + r * L:P + (r + 1) * L], rope)
-        x = self._run(self.transformer.coda, x, caches[P + loops * L:], rope)
-        x = self.transformer.ln_f(x[:, -1:] if last_only else x)
-        logits = x @ head if head is not None else self.lm_head(x)
+        logits = self._readout(x, caches[P + loops * L:], rope, last_only, head)
         return logits, None if targets is None else self._loss(logits, targets)
+
+    def _readout(self, state, caches, rope, last_only=False, head=None):
+        """Logits from the state the core's loops left: the coda, ln_f and the output layer."""
+        x = self._run(self.transformer.coda, state, caches, rope)
+        x = self.transformer.ln_f(x[:, -1:] if last_only else x)
+        return x @ head if head is not None else self.lm_head(x)
+
+    def exit_logits(self, idx, exit_threshold, n_loop=None, targets=None, kv_cache=None, head=None):
+        """Adaptive exit, Huginn's KL criterion (seal-rg/recurrent-pretraining): each position takes the logits of
+        the first loop r whose next-token distribution p_r is within exit_threshold of the previous loop's,
+        KL(p_r || p_r-1) < exit_threshold, or of loop n_loop, the most a position runs -> (logits, loss or None,
+        loops: (B, T), the loop each position took). p_0 is what the embedded input predicts before any loop (e
+        through the coda, ln_f and the output layer), so that a position can exit after one loop: a threshold that
+        every KL passes gives n_loop=1, and 0 (off: no KL is below it) gives n_loop. The criterion is a coda pass and
+        an output-layer product per loop, and one for p_0.
+        The positions of idx run together, loop by loop, until each has exited; a position reads the others' states
+        at the same loop, exited or not. With kv_cache (new_kv_cache's list) the positions are appended to it, and
+        each keeps there what its exit loop computed: in every later visit of a core block, the keys and values of
+        its exit loop's visit of that block (as Huginn fills the steps a token skipped from its latest one), in the
+        coda those of the coda's run on its exit loop's state. A position decoded later, one at a time (generate),
+        reads an exited position's exit-loop entries at every deeper loop, where a parallel pass (no cache: scoring;
+        or a prompt) lets it read what that position's further loops computed: the two differ wherever a position
+        exits before the last loop (measured in docs/adaptive_exit.md)."""
+        loops_max = n_loop or self.config.n_loop
+        if not exit_threshold >= 0:
+            raise ValueError(f"exit_threshold must be >= 0 (0 = off: every position runs n_loop loops), got "
+                             f"{exit_threshold}")
+        if not 1 <= loops_max <= MAX_LOOPS:
+            raise ValueError(f"n_loop, the most loops a position runs with adaptive exit, must be from 1 to "
+                             f"{MAX_LOOPS} (model.MAX_LOOPS), got {n_loop}")
+        P, L, (B, T) = self.config.n_prelude, self.config.n_layer, idx.shape
+        start = kv_cache[0].past if kv_cache else 0
+        caches = kv_cache or [None] * self.config.depth(loops_max)
+        coda = caches[P + loops_max * L:]
+        rope = self._rope(start, T)
+        e = self._run(self.transformer.prelude, self._embed(idx, start), caches[:P], rope)
+
+        def readout(state):
+            for cache in coda if kv_cache else ():
+                cache.past = start  # every loop's readout writes these positions' coda entries anew
+            logits = self._readout(state, coda, rope, head=head)
+            return logits, F.log_softmax(logits.float(), dim=-1)
+
+        _, log_p = readout(e)
+        state, loops, logits, kept = None, torch.zeros(B, T, dtype=torch.long, device=idx.device), None, None
+        for r in range(1, loops_max + 1):
+            visits = caches[P + (r - 1) * L:P + r * L]
+            state = self.loop(state, e, visits, rope)
+            new_logits, new_log_p = readout(state)
+            kl = (new_log_p.exp() * (new_log_p - log_p)).sum(-1).clamp_min(0)  # >= 0, but for rounding
+            running = loops == 0
+            exits = running & ((kl < exit_threshold) | (r == loops_max))
+            loops = torch.where(exits, r, loops)
+            logits = new_logits if logits is None else torch.where(exits[..., None], new_logits, logits)
+            if kv_cache:  # what each position's exit loop computed: the core's while it runs, the coda's as it exits
+                kept = self._keep(kept, visits, coda, running, exits, start, T)
+            log_p = new_log_p
+            if loops.all():
+                break
+        if kv_cache:
+            self._rewrite_exited(caches, kept, loops, r, start)
+        return logits, None if targets is None else self._loss(logits, targets), loops
+
+    @staticmethod
+    def _keep(kept, visits, coda, running, exits, start, T):
+        """exit_logits' bookkeeping after a loop: each position's keys and values of the core's visits while it
+        runs (so in the end its exit loop's), of the coda's blocks at the loop it exits at."""
+        fresh = [(cache.store.k[:, :, start:start + T], cache.store.v[:, :, start:start + T])
+                 for cache in (*visits, *coda)]
+        if kept is None:  # the buffers are overwritten by later loops (last_loop) and readouts (the coda)
+            return [(k.clone(), v.clone()) for k, v in fresh]
+        masks = [running[:, None, :, None]] * len(visits) + [exits[:, None, :, None]] * len(coda)
+        return [(torch.where(m, k, old_k), torch.where(m, v, old_v))
+                for m, (k, v), (old_k, old_v) in zip(masks, fresh, kept)]
+
+    def _rewrite_exited(self, caches, kept, loops, computed, start):
+        """The end of a cached exit_logits pass: every position gets, in each core visit after its exit loop (with
+        last_loop's shared entries: in every visit), its exit loop's keys and values of that block, also in the
+        visits of loops that this pass did not run; in the coda, those of its exit."""
+        P, L, block_size = self.config.n_prelude, self.config.n_layer, self.config.block_size
+        T = loops.size(1)
+        loops_max = (len(caches) - P - self.config.n_coda) // L
+        for r in range(1, loops_max + 1):
+            for b in range(L):
+                cache, (k, v) = caches[P + (r - 1) * L + b], kept[b]
+                if cache.store is cache and r <= computed:  # per_visit: loop r's own, where a position ran loop r
+                    ran = (loops >= r)[:, None, :, None]
+                    if ran.all():
+                        continue
+                    k = torch.where(ran, cache.k[:, :, start:start + T], k)
+                    v = torch.where(ran, cache.v[:, :, start:start + T], v)
+                cache.rewrite(start, k, v, block_size)
+        for cache, (k, v) in zip(caches[P + loops_max * L:], kept[L:]):
+            cache.rewrite(start, k, v, block_size)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=None, use_cache=True,
-                 vocab_size_limit=None):
+                 vocab_size_limit=None, **kw):
         """Sample max_new_tokens continuations of idx (B, T) -> (B, T + max_new_tokens); see generate_stream."""
         return torch.cat([idx, *self.generate_stream(idx, max_new_tokens, temperature, top_k, n_loop, use_cache,
-                                                     vocab_size_limit)], dim=1)
+                                                     vocab_size_limit, **kw)], dim=1)
+
+    def new_kv_cache(self, n_loop=None, kv_cache="per_visit"):
+        """An empty cache for generate: a list in _visits' order, a KVCache per unrolled visit.
+            per_visit  every visit has entries of its own: a block's second visit sees other inputs than its first,
+                       so cached decoding equals recomputing; the memory grows with n_loop
+            last_loop  the visits of a core block share one entry (Ouro's decoding with the last loop's cache):
+                       each position keeps the keys and values of its last loop there, and every visit of the block
+                       reads those of the earlier positions, so the memory does not grow with n_loop. It is an
+                       approximation (cached no longer equals recomputed) but at n_loop=1, and within a prompt,
+                       whose positions run their loops together
+        The prelude and coda blocks run once, with one entry each in both."""
+        if kv_cache not in KV_CACHES:
+            raise ValueError(f"unknown kv_cache {kv_cache!r}; choose one of {', '.join(KV_CACHES)}")
+        P, L, loops = self.config.n_prelude, self.config.n_layer, n_loop or self.config.n_loop
+        if kv_cache == "per_visit":
+            return [KVCache() for _ in range(self.config.depth(loops))]
+        stores = [KVCache() for _ in range(L)]
+        return [*(KVCache() for _ in range(P)), *(KVCache(stores[b]) for _ in range(loops) for b in range(L)),
+                *(KVCache() for _ in range(self.config.n_coda))]
 
     @torch.no_grad()
     def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=None, use_cache=True,
-                        vocab_size_limit=None):
+                        vocab_size_limit=None, exit_threshold=0.0, kv_cache="per_visit", loops_used=None):
         """Yield the sampled tokens (B, 1) one step at a time, so that sample.py can print them as they come.
         With use_cache each step feeds only the newest token and reads keys/values of earlier positions from a cache
-        that has one entry per unrolled visit: a block's second visit sees other inputs than its first, so the visits
-        cannot share a cache. Once the context outgrows block_size the window slides and every position embedding
-        shifts, so the cache is rebuilt from the last block_size tokens; this keeps the output identical to
+        (new_kv_cache's kv_cache layout). Once the context outgrows block_size the window slides and every position
+        embedding shifts, so the cache is rebuilt from the last block_size tokens; this keeps the output identical to
         recomputing the cropped context at every step. vocab_size_limit samples only ids below it: the output layer
-        is padded (GPT-2's 50257 ids to 50304) and a tokenizer cannot decode the padding ids."""
-        visits = len(self._visits(n_loop))
+        is padded (GPT-2's 50257 ids to 50304) and a tokenizer cannot decode the padding ids.
+        exit_threshold > 0: adaptive exit (exit_logits), n_loop then the most loops a token runs. The prompt (and a
+        rebuilt window) runs as one pass, each new token as a pass of its own; each step appends to loops_used (a
+        list) the loops its tokens took, a (B,) tensor. A batch runs until its last sequence exits (the others'
+        extra loops are computed and dropped). Adaptive exit and last_loop need the cache."""
+        if not use_cache and (exit_threshold or kv_cache != "per_visit"):
+            raise ValueError("adaptive exit (exit_threshold > 0) and kv_cache=last_loop work on the KV cache: use "
+                             "use_cache=True")
         # A decode step reads every weight once and the output layer is most of them. F.linear reads the stored
         # (vocab, n_embd) matrix far below the memory bandwidth, a product with this transposed contiguous copy near
         # it (docs/speed.md); the copy is in the precision the steps compute in: under autocast its dtype. An output
@@ -556,14 +683,19 @@ class GPT(nn.Module):
             weight = self.lm_head.weight
             dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
             head = weight.to(dtype).t().contiguous()
-        kv_cache = None
+        caches = None
         for _ in range(max_new_tokens):
-            if use_cache and kv_cache and kv_cache[0].past < self.config.block_size:
-                logits, _ = self(idx[:, -1:], n_loop=n_loop, kv_cache=kv_cache, last_only=True, head=head)
+            if use_cache and caches and caches[0].past < self.config.block_size:
+                new = idx[:, -1:]
+            else:  # the first step, and every step once the window slides: the whole (cropped) context
+                caches = self.new_kv_cache(n_loop, kv_cache) if use_cache else None
+                new = idx[:, -self.config.block_size:]
+            if exit_threshold:
+                logits, _, loops = self.exit_logits(new, exit_threshold, n_loop, kv_cache=caches, head=head)
+                if loops_used is not None:
+                    loops_used.append(loops[:, -1])
             else:
-                kv_cache = [KVCache() for _ in range(visits)] if use_cache else None
-                logits, _ = self(idx[:, -self.config.block_size:], n_loop=n_loop, kv_cache=kv_cache,
-                                 last_only=True, head=head)
+                logits, _ = self(new, n_loop=n_loop, kv_cache=caches, last_only=True, head=head)
             # the softmax in float32 whatever the step computed in, over the real vocabulary only
             logits = logits[:, -1, :vocab_size_limit].float() / temperature
             if top_k is not None:  # sample among the top_k candidates only: far cheaper than masking a large vocab
@@ -670,16 +802,22 @@ class GPT(nn.Module):
         peak_flops (e.g. 989e12 for an H100's bf16)."""
         return self.flops_per_token(n_loop, backprop_loops) * tokens_per_iter / dt / peak_flops
 
-    def decode_step_bytes(self, sequences, past, element_size, n_loop=None):
+    def decode_step_bytes(self, sequences, past, element_size, n_loop=None, kv_cache="per_visit"):
         """Bytes a cached decode step must read from memory at the least, the yardstick of bench.py's decode floor
         (these bytes over the memory bandwidth): every weight of the blocks and of the output layer once, and the
-        keys and values of `past` positions of each sequence in every unrolled visit. The embeddings' few rows and
-        the activations are left out."""
+        keys and values of `past` positions of each sequence in every unrolled visit (last_loop: in every physical
+        block, read once). The embeddings' few rows and the activations are left out."""
         t = self.transformer
         weights = sum(p.numel() for m in (t.prelude, t.h, t.coda, t.inject) if m is not None for p in m.parameters())
         weights += self.lm_head.weight.numel()
-        cache = 2 * len(self._visits(n_loop)) * sequences * past * self.config.n_embd
-        return (weights + cache) * element_size
+        return weights * element_size + self.kv_cache_bytes(sequences, past, element_size, n_loop, kv_cache)
+
+    def kv_cache_bytes(self, sequences, positions, element_size, n_loop=None, kv_cache="per_visit"):
+        """Bytes of the keys and values of `positions` positions of each sequence in a cache of new_kv_cache's
+        layout: an entry per unrolled visit (per_visit) or per physical block (last_loop)."""
+        cfg = self.config
+        entries = cfg.depth(n_loop or cfg.n_loop) if kv_cache == "per_visit" else cfg.depth(1)
+        return 2 * entries * sequences * positions * cfg.n_embd * element_size
 
     @classmethod
     def from_checkpoint(cls, path, device="cpu"):

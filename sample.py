@@ -6,6 +6,8 @@ Sample from a trained model, printing the text as it is generated.
     python sample.py --out_dir=out-smoke --n_loop=8          # test-time depth: run 8 loops instead of the trained count
     python sample.py --out_dir=out-smoke --use_cache=False   # recompute the whole context at every step (slower)
     python sample.py --out_dir=out-smoke --compile=True      # compiled decode step: a few graphs, not one per token
+    python sample.py --out_dir=out-smoke-sampled --exit_threshold=1e-3 --n_loop=8   # adaptive exit, at most 8 loops
+    python sample.py --out_dir=out-smoke-sampled --kv_cache=last_loop --n_loop=8    # a cache that does not grow
 
 The samples go to stdout; what was loaded and how fast it ran go to stderr.
 """
@@ -19,7 +21,7 @@ import torch._dynamo
 from common import precision, tune_malloc
 from configurator import configure, die
 from dataset import get_tokenizer, valid_text
-from model import GPT, MAX_LOOPS
+from model import GPT, KV_CACHES, MAX_LOOPS
 from tasks import require_text
 
 out_dir = "out"  # the train.py run to sample from: reads out_dir/ckpt.pt
@@ -30,6 +32,10 @@ temperature = 0.8  # 1.0 samples the model's distribution; lower is more conserv
 top_k = 200  # sample only among the top_k most likely tokens; 0 keeps them all
 n_loop = 0  # loops over the stack of blocks at test time; 0 runs the count the model was trained with
 use_cache = True  # False recomputes the full context for every new token (for comparison; same output)
+# > 0: adaptive exit (model.GPT.exit_logits): a token stops looping at the first loop whose next-token distribution is
+# within this KL of the previous loop's; n_loop is then the most loops a token runs. The loops used go to stderr.
+exit_threshold = 0.0
+kv_cache = "per_visit"  # per_visit: an entry per unrolled visit (exact); last_loop: one per block (GPT.new_kv_cache)
 seed = 1337
 device = "cuda" if torch.cuda.is_available() else "cpu"  # or cpu, cuda:1, mps
 dtype = "auto"  # auto: what the device computes fastest (common.choose_dtype); or float32, bfloat16, float16
@@ -42,9 +48,16 @@ for name, value in (("num_samples", num_samples), ("max_new_tokens", max_new_tok
     if value < 0:
         die(f"--{name} must be >= 0, got {value}")
 if n_loop > MAX_LOOPS:
-    die(f"--n_loop must be a loop count from 1 to {MAX_LOOPS} (model.MAX_LOOPS), or 0 (the trained one), got {n_loop}")
+    die(f"--n_loop must be a loop count from 1 to {MAX_LOOPS} (model.MAX_LOOPS), or 0 (the trained one), got "
+        f"{n_loop}")
 if temperature <= 0:
     die(f"--temperature must be > 0, got {temperature} (use --top_k=1 for greedy decoding)")
+if not exit_threshold >= 0:
+    die(f"--exit_threshold must be >= 0 (0 = off), got {exit_threshold}")
+if kv_cache not in KV_CACHES:
+    die(f"--kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
+if not use_cache and (exit_threshold or kv_cache != "per_visit"):
+    die("--exit_threshold and --kv_cache=last_loop work on the KV cache: drop --use_cache=False")
 
 if start.startswith("FILE:"):
     path = start[len("FILE:"):]
@@ -79,13 +92,15 @@ x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, :]
 
 cfg = model.config
 loops = n_loop or cfg.n_loop
-print(f"{out_dir}/ckpt.pt: {cfg.n_layer} blocks x {cfg.n_loop} loops trained, sampling with {loops} loops "
-      f"(unrolled depth {cfg.depth(loops)}), tokenizer {checkpoint['tokenizer']}, iter {checkpoint['iter_num']}, "
+print(f"{out_dir}/ckpt.pt: {cfg.n_layer} blocks x {cfg.n_loop} loops trained, sampling with "
+      f"{f'adaptive exit at KL {exit_threshold:g}, at most {loops}' if exit_threshold else loops} loops "
+      f"(unrolled depth {cfg.depth(loops)}), kv_cache {kv_cache}, tokenizer {checkpoint['tokenizer']}, "
+      f"iter {checkpoint['iter_num']}, "
       f"dtype {dtype} ({dtype_reason})", file=sys.stderr)
 del checkpoint  # the optimizer state in it is not needed for sampling
 
 torch.manual_seed(seed)  # seeded here, so that the samples depend on the seed alone, not on how the model was built
-new_tokens, t0 = 0, time.time()
+new_tokens, t0, loops_used = 0, time.time(), []
 for k in range(num_samples):
     sys.stdout.write(start)
     ids, printed = [], ""
@@ -94,7 +109,7 @@ for k in range(num_samples):
         # occur as targets, yet a briefly trained model still gives them some probability, and the tokenizer cannot
         # decode them: vocab_size_limit keeps them from being sampled.
         for token in model.generate_stream(x, max_new_tokens, temperature, top_k or None, loops, use_cache,
-                                           vocab_size_limit=enc.n_vocab):
+                                           enc.n_vocab, exit_threshold, kv_cache, loops_used):
             ids.append(token.item())
             # Decode everything generated so far and print what is new. A token can end in the middle of a UTF-8
             # character (always possible with the bytes tokenizer, sometimes with GPT-2's byte-level BPE); the
@@ -111,3 +126,8 @@ for k in range(num_samples):
     new_tokens += len(ids)
 dt = time.time() - t0
 print(f"{new_tokens} tokens in {dt:.2f} s ({new_tokens / dt:.1f} tokens/s, use_cache={use_cache})", file=sys.stderr)
+if loops_used:
+    used = torch.cat(loops_used)
+    counts = torch.bincount(used, minlength=loops + 1)
+    print(f"loops per token: mean {used.float().mean():.2f}, " + ", ".join(
+        f"{r}: {n}" for r, n in enumerate(counts.tolist()) if n) + " tokens", file=sys.stderr)

@@ -187,3 +187,22 @@ def evaluate(model, task, n_batches, batch_size, n_loop=None, autocast=nullconte
         batch_hits, batch_counts = hits_by_k(task, logits.argmax(-1).cpu(), x, y)
         hits, counts = hits + batch_hits, counts + batch_counts
     return accuracy_by_k(hits, counts)
+
+
+@torch.no_grad()
+def evaluate_exit(model, task, n_batches, batch_size, exit_threshold, n_loop=None, autocast=nullcontext()):
+    """evaluate() with adaptive exit (GPT.exit_logits: every position in parallel, at most n_loop loops) -> (accuracy
+    by k, loops by k: {"1": a float tensor of the loops each answer at k took, ...})."""
+    model.eval()
+    hits = counts = 0
+    loops_at = {str(j): [] for j in range(1, task.max_hops + 1)}
+    for index in range(n_batches):
+        x, y = task.batch(index, batch_size)
+        with autocast:
+            logits, _, loops = model.exit_logits(x.to(model.lm_head.weight.device), exit_threshold, n_loop)
+        batch_hits, batch_counts = hits_by_k(task, logits.argmax(-1).cpu(), x, y)
+        hits, counts = hits + batch_hits, counts + batch_counts
+        k = task.hops(x)
+        for j in loops_at:
+            loops_at[j].append(loops.cpu()[(k == int(j)) & (y >= 0)].float())
+    return accuracy_by_k(hits, counts), {j: torch.cat(v) for j, v in loops_at.items() if sum(map(len, v))}

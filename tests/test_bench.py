@@ -124,3 +124,26 @@ def test_compare_dtypes_prints_each_precision_before_the_next_and_cuts_steps_to_
     assert all("(median of 1)" in line for line in train), train
     assert re.fullmatch(rf"compare: n_layer=1 x n_loop=3: bfloat16 trains at {NUM}x the tokens/s of float32, "
                         rf"bfloat16 compiled at {NUM}x", lines[-2]), lines[-2]
+
+
+CACHE = rf"cache (per_visit|last_loop): {NUM} MB for (\d) x 32 positions, cached {NUM} ms/step \({NUM} tokens/s\)"
+EXIT_TEST = rf"exit test: all 3 loops, each followed by the KL test: {NUM} ms/step \({NUM} tokens/s\); a loop costs " \
+            r"(-?[0-9.]+) ms, a test (-?[0-9.]+) ms"
+
+
+def test_compare_caches_prints_each_layouts_bytes_and_decode_speed_and_the_exit_tests_cost():
+    result = bench("--compare_caches=True", "--dtype=float32", "--compile=False")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    caches = [re.fullmatch(CACHE, line) for line in lines if line.startswith("cache ")]
+    assert all(caches) and [(m.group(1), m.group(3)) for m in caches] == [
+        ("per_visit", "1"), ("last_loop", "1"), ("per_visit", "2"), ("last_loop", "2")]
+    for m in caches:  # 3 visits of 1 block, or the block once: keys and values of 32 positions x 32 channels, float32
+        entries = 3 if m.group(1) == "per_visit" else 1
+        assert float(m.group(2)) == float(f"{entries * 2 * int(m.group(3)) * 32 * 32 * 4 / 1e6:.3g}")
+        assert float(m.group(5)) == pytest.approx(int(m.group(3)) * 1000 / float(m.group(4)), rel=0.01)
+    tests = [re.fullmatch(EXIT_TEST, line) for line in lines if line.startswith("exit test: ")]
+    assert len(tests) == 2 and all(tests), lines
+    # the generate lines are still there, one per sequence count, each followed by its comparison
+    generate = [i for i, line in enumerate(lines) if line.startswith("generate: ")]
+    assert [lines[i + 1].startswith("cache per_visit: ") for i in generate] == [True, True]

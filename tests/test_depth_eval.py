@@ -5,8 +5,12 @@ import json
 import os
 
 import pytest
+import torch
 
+from dataset import EVAL_SEED
 from scripts import run_script
+from tasks import make_task
+from test_model import agree_after
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,3 +74,36 @@ def test_a_bfloat16_run_is_evaluated_in_bfloat16_and_a_negative_examples_count_i
     r = run("depth_eval.py", "--out_dir=run", "--examples=-1", cwd=tmp_path)  # not every answer there is
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr == "error: --examples must be >= 0 (answers shown at each k; 0: none), got -1\n"
+
+
+def test_adaptive_exit_rows_and_the_loops_they_report(tmp_path, monkeypatch):
+    r = run("train.py", os.path.join(ROOT, "config", "depth_cpu.py"), "--out_dir=run", "--max_iters=3",
+            "--eval_interval=3", "--eval_iters=2", "--batch_size=8", "--n_loop=2", "--n_embd=32", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = run("depth_eval.py", "--out_dir=run", "--loops=1,3", "--examples=0", "--exit_thresholds=0,1e30", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    rows = {line.split(":")[0].strip(): line.split(": ", 1)[1] for line in r.stdout.splitlines()[2:]}
+    # threshold 0 is off (every answer at the most loops, 3); one that every KL passes is one loop
+    assert rows["exit at KL 0"].split(";")[0] == rows["3 loops"]
+    assert rows["exit at KL 1e+30"].split(";")[0] == rows["1 loops"]
+    assert rows["exit at KL 0"].endswith("; loops by k 3.00 3.00 3.00 3.00 3.00 3.00, sd 0.00 0.00 0.00 0.00 0.00 "
+                                         "0.00; mean 3.00 of at most 3")
+    assert rows["exit at KL 1e+30"].endswith("; mean 1.00 of at most 3")
+
+    # a model whose loops agree after 1, 2 or 3 loops by position: the loops by k are those of its answers' positions
+    m = 1 + torch.arange(16) % 3
+    agree_after(monkeypatch, m)
+    r = run("depth_eval.py", "--out_dir=run", "--loops=8", "--examples=0", "--exit_thresholds=1e-9", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    task = make_task(torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["config"], "val", EVAL_SEED)
+    x, y = zip(*(task.batch(index, 8) for index in range(2)))
+    x, y = torch.cat(x), torch.cat(y)
+    k, loops = task.hops(x), (m + 1).expand_as(x).float()
+    means = [loops[(k == j) & (y >= 0)].mean().item() for j in range(1, 7)]
+    sds = [loops[(k == j) & (y >= 0)].std(correction=0).item() for j in range(1, 7)]
+    line = next(line for line in r.stdout.splitlines() if "exit at KL 1e-09: " in line)
+    assert line.endswith(f"; loops by k {' '.join(f'{v:.2f}' for v in means)}, sd {' '.join(f'{v:.2f}' for v in sds)}"
+                         f"; mean {loops[y >= 0].mean():.2f} of at most 8")
+
+    r = run("depth_eval.py", "--out_dir=run", "--exit_thresholds=1e-3,-1", cwd=tmp_path)
+    assert (r.returncode, r.stderr) == (2, "error: exit thresholds must be >= 0 (0 = off), got '1e-3,-1'\n")

@@ -9,8 +9,9 @@ from torch._dynamo.utils import counters
 from torch.func import functional_call
 from torch.nn import functional as F
 
-from model import (GPT, LOOP_INPUTS, LOOP_STREAM, MAX_LOOPS, GPTConfig, KVCache, NORMS, POSITION_ENCODINGS, PRE_LN,
-                   RESIDUALS, TrainLoops, apply_rotary, branch_scale, linear_probe, residual_coefficients)
+from model import (GPT, KV_CACHES, LOOP_INPUTS, LOOP_STREAM, MAX_LOOPS, GPTConfig, KVCache, NORMS,
+                   POSITION_ENCODINGS, PRE_LN, RESIDUALS, TrainLoops, apply_rotary, branch_scale, linear_probe,
+                   residual_coefficients)
 
 
 def tiny(**kw):
@@ -901,3 +902,268 @@ def test_loop_diagnostics_probe_what_the_stream_holds_after_each_visit():
     diag = model.loop_diagnostics(idx, torch.roll(idx, -1, 1))
     assert diag["token_probe"][:2] == [1.0, 1.0] and max(diag["token_probe"][2:]) < 0.2
     assert max(diag["position_probe"][2:]) < 0.2
+
+
+def perturbed(model, scale=0.05):
+    """The model moved away from init (where concat's adapter ignores e and Post-LN loops barely change the state)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return model.eval()
+
+
+def reference_exit_generation(model, prompt, steps, threshold, max_loops, kv_cache="per_visit"):
+    """Adaptive exit applied plainly to one sequence (prompt: a list of ids), greedy -> (new tokens, loops of each).
+    Nothing is kept between uses but each position's block inputs ("sources"); a block's keys and values of earlier
+    positions are recomputed from them at every use: for core block b at loop r from the input position w had there
+    at loop min(r, exit_w) (last_loop: at exit_w), for coda block c from its input in the coda's run at w's exit.
+    A position exits at the first loop r >= 1 whose distribution is within threshold of loop r - 1's (loop 0: the
+    embedded input's), or at max_loops. The prompt, and the window once the context outgrows block_size, run as one
+    pass: every position through every loop, reading the others at the same loop."""
+    t, bs = model.transformer, model.config.block_size
+    source_loop = (lambda r, exit: min(r, exit)) if kv_cache == "per_visit" else (lambda r, exit: exit)
+
+    def kl(log_p, log_q):
+        return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+    def parallel(ids):
+        T = len(ids)
+        rope = model._rope(0, T)
+        src = [{} for _ in range(T)]
+        x = model._embed(torch.tensor([ids]))
+        for i, block in enumerate(t.prelude):
+            for w in range(T):
+                src[w]["p", i] = x[0, w]
+            x = block(x, None, rope)
+        e = x
+
+        def readout(state):
+            inputs, x = [], state
+            for block in t.coda:
+                inputs.append(x)
+                x = block(x, None, rope)
+            logits = model.lm_head(t.ln_f(x))
+            return logits, F.log_softmax(logits.float(), -1), inputs
+
+        log_p = readout(e)[1]
+        exits, state = [0] * T, None
+        for r in range(1, max_loops + 1):
+            x = model._loop_input(state, e)
+            for b, block in enumerate(t.h):
+                for w in range(T):
+                    src[w]["h", r, b] = x[0, w]
+                x = block(x, None, rope)
+            state = x
+            logits, new_log_p, coda_inputs = readout(state)
+            divergence = kl(new_log_p, log_p)[0]
+            for w in range(T):
+                if not exits[w] and (divergence[w] < threshold or r == max_loops):
+                    exits[w] = r
+                    src[w].update({("c", c): inputs[0, w] for c, inputs in enumerate(coda_inputs)})
+                    if w == T - 1:
+                        last = logits[0, w]
+            log_p = new_log_p
+        return src, exits, last
+
+    def decode(ids, src, exits):
+        u = len(ids) - 1  # the new position; 0..u-1 are known by their sources
+
+        def run(block, x, sources):
+            cache = KVCache()
+            block(torch.stack(sources)[None], cache, model._rope(0, u))  # the earlier positions' keys and values
+            return block(x, cache, model._rope(u, 1))
+
+        mine = {}
+        x = model._embed(torch.tensor([[ids[u]]]), u)
+        for i, block in enumerate(t.prelude):
+            mine["p", i] = x[0, 0]
+            x = run(block, x, [src[w]["p", i] for w in range(u)])
+        e = x
+
+        def readout(state):
+            inputs, x = [], state
+            for c, block in enumerate(t.coda):
+                inputs.append(x[0, 0])
+                x = run(block, x, [src[w]["c", c] for w in range(u)])
+            logits = model.lm_head(t.ln_f(x))[0, 0]
+            return logits, F.log_softmax(logits.float(), -1), inputs
+
+        log_p, state = readout(e)[1], None
+        for r in range(1, max_loops + 1):
+            x = model._loop_input(state, e)
+            for b, block in enumerate(t.h):
+                mine["h", r, b] = x[0, 0]
+                x = run(block, x, [src[w]["h", source_loop(r, exits[w]), b] for w in range(u)])
+            state = x
+            logits, new_log_p, coda_inputs = readout(state)
+            if kl(new_log_p, log_p) < threshold or r == max_loops:
+                mine.update({("c", c): inputs for c, inputs in enumerate(coda_inputs)})
+                src.append(mine)
+                exits.append(r)
+                return logits, r
+            log_p = new_log_p
+
+    ids, tokens, loops = list(prompt), [], []
+    with torch.no_grad():
+        for step in range(steps):
+            if step == 0 or len(ids) > bs:
+                src, exits, logits = parallel(ids[-bs:])
+                used = exits[-1]
+            else:
+                logits, used = decode(ids, src, exits)
+            ids.append(logits.argmax().item())
+            tokens.append(ids[-1])
+            loops.append(used)
+    return tokens, loops
+
+
+EXIT_ARCHS = {"gpt2": {}, "preln-rope": dict(residual="preln", position_encoding="rope"),
+              "huginn": dict(residual="preln", loop_input="concat", **HUGINN)}
+
+
+@pytest.mark.parametrize("kv_cache", KV_CACHES)
+@pytest.mark.parametrize("arch", EXIT_ARCHS, ids=list(EXIT_ARCHS))
+def test_adaptive_exit_generation_equals_a_plain_reference(arch, kv_cache):
+    """Batched, cached generation with adaptive exit: the tokens and each token's loops equal the reference, row by
+    row, also past block_size (the window slides); threshold 0 (the fixed-depth path) too."""
+    torch.manual_seed(2)
+    model = perturbed(GPT(tiny(n_loop=2, block_size=12, **EXIT_ARCHS[arch])).double(), 0.1)
+    prompt = torch.randint(0, 128, (2, 5))
+    spread = set()
+    for threshold in (0.0, 0.003, 0.02):
+        used = []
+        out = model.generate(prompt, 11, top_k=1, n_loop=5, exit_threshold=threshold, kv_cache=kv_cache,
+                             loops_used=used)
+        for row in range(2):
+            tokens, loops = reference_exit_generation(model, prompt[row].tolist(), 11, threshold, 5, kv_cache)
+            assert out[row, 5:].tolist() == tokens
+            if threshold:
+                assert [u[row].item() for u in used] == loops
+                spread.update(loops)
+    assert len(spread) > 2, spread  # the tokens did exit at several loop counts
+
+
+@pytest.mark.parametrize("arch", EXIT_ARCHS, ids=list(EXIT_ARCHS))
+def test_exit_threshold_zero_is_fixed_n_loop_and_one_that_every_kl_passes_is_one_loop(arch):
+    torch.manual_seed(3)
+    model = perturbed(GPT(tiny(n_loop=2, **EXIT_ARCHS[arch])))
+    idx = torch.randint(0, 128, (2, 12))
+    targets = torch.roll(idx, -1, 1)
+    with torch.no_grad():
+        for threshold, loops, fixed in ((0.0, 3, 3), (math.inf, 4, 1)):
+            logits, loss, used = model.exit_logits(idx, threshold, loops, targets)
+            assert torch.equal(used, torch.full_like(idx, fixed))
+            expected, expected_loss = model(idx, targets, n_loop=fixed)
+            assert torch.equal(logits, expected) and torch.equal(loss, expected_loss)
+    prompt = idx[:, :5]
+    for kv_cache in KV_CACHES:
+        used = []
+        every = model.generate(prompt, 20, top_k=1, n_loop=4, exit_threshold=math.inf, kv_cache=kv_cache,
+                               loops_used=used)
+        assert torch.equal(every, model.generate(prompt, 20, top_k=1, n_loop=1))  # token for token, past block_size
+        assert torch.equal(torch.stack(used), torch.ones(20, 2, dtype=torch.long))
+    assert torch.equal(model.generate(prompt, 20, top_k=1, n_loop=3, exit_threshold=0.0),
+                       model.generate(prompt, 20, top_k=1, n_loop=3))
+
+
+@pytest.mark.parametrize("arch", EXIT_ARCHS, ids=list(EXIT_ARCHS))
+def test_last_loop_cache_holds_one_entry_per_block_and_equals_per_visit_at_one_loop(arch):
+    torch.manual_seed(4)
+    model = perturbed(GPT(tiny(n_loop=2, block_size=16, **EXIT_ARCHS[arch])))
+    prompt = torch.randint(0, 128, (2, 5))
+    per_visit, last_loop = (model.generate(prompt, 25, top_k=1, n_loop=1, kv_cache=c) for c in KV_CACHES)
+    assert torch.equal(per_visit, last_loop)
+    torch.manual_seed(5)
+    sampled = model.generate(prompt, 10, n_loop=1, kv_cache="last_loop")
+    torch.manual_seed(5)
+    assert torch.equal(sampled, model.generate(prompt, 10, n_loop=1))
+    # memory: the buffers that a cache allocates, against kv_cache_bytes; last_loop's do not grow with n_loop
+    cfg = model.config
+    for n_loop in (1, 4):
+        for kv_cache in KV_CACHES:
+            cache = model.new_kv_cache(n_loop, kv_cache)
+            with torch.no_grad():
+                model(prompt, n_loop=n_loop, kv_cache=cache)
+            stores = {id(c.store): c.store for c in cache}.values()
+            allocated = sum(s.k.nbytes + s.v.nbytes for s in stores)
+            assert allocated == model.kv_cache_bytes(2, cfg.block_size, 4, n_loop, kv_cache)
+            entries = cfg.depth(n_loop) if kv_cache == "per_visit" else cfg.depth(1)
+            assert len(stores) == entries
+    # at 3 loops the prompt, whose positions run their loops together, is exact; a decoded token is not
+    with torch.no_grad():
+        steps = {}
+        for kv_cache in KV_CACHES:
+            cache = model.new_kv_cache(3, kv_cache)
+            steps[kv_cache] = (model(prompt, n_loop=3, kv_cache=cache)[0], model(prompt[:, :1], n_loop=3,
+                                                                               kv_cache=cache)[0])
+        assert torch.equal(steps["per_visit"][0], steps["last_loop"][0])
+        assert (steps["per_visit"][1] - steps["last_loop"][1]).abs().max() > 1e-3
+
+
+GPT_LOOP = GPT.loop  # as model.py has it, whatever agree_after has patched
+
+
+def agree_after(monkeypatch, m):
+    """Make every GPT's loops agree after m loops: m an int, or a (T,) tensor, one count per position of a pass that
+    starts at position 0. A loop leaves the state e + min(r, m) * d (d a fixed direction) in place of what its
+    blocks computed (they still run on the state they get, and fill the cache), so the state, and with it p_r, is
+    the same from loop m on: loop m + 1 is the first whose KL to its predecessor is 0."""
+    count = [0]
+
+    def loop(self, state, e, caches, rope):
+        GPT_LOOP(self, state, e, caches, rope)
+        count[0] = 1 if state is None else count[0] + 1
+        steps = torch.as_tensor(m).clamp(max=count[0]).to(e.dtype)[..., None]
+        direction = torch.randn(e.size(-1), generator=torch.Generator().manual_seed(0)).to(e.dtype)
+        return e + steps * e.std() * direction
+
+    monkeypatch.setattr(GPT, "loop", loop)
+
+
+@pytest.mark.parametrize("arch", EXIT_ARCHS, ids=list(EXIT_ARCHS))
+def test_loops_reported_are_those_of_a_model_whose_loops_agree_after_a_known_count(arch, monkeypatch):
+    torch.manual_seed(6)
+    model = perturbed(GPT(tiny(**EXIT_ARCHS[arch])))
+    m = 1 + torch.arange(12) % 4  # 1..4 by position
+    agree_after(monkeypatch, m)
+    # a coda reads the other positions' states at the same loop: a position's p_r settles once every position up
+    # to it has settled
+    settled = m.cummax(0).values if model.config.n_coda else m
+    with torch.no_grad():
+        _, _, loops = model.exit_logits(torch.randint(0, 128, (2, 12)), 1e-9, n_loop=8)
+        assert torch.equal(loops, (settled + 1).expand(2, 12))
+        loops = model.exit_logits(torch.randint(0, 128, (2, 12)), 1e-9, n_loop=3)[2]  # at most n_loop
+        assert torch.equal(loops, (settled + 1).clamp(max=3).expand(2, 12))
+    agree_after(monkeypatch, 3)
+    used = []
+    model.generate(torch.randint(0, 128, (2, 5)), 6, top_k=1, n_loop=8, exit_threshold=1e-9, loops_used=used)
+    assert torch.equal(torch.stack(used), torch.full((6, 2), 4))
+
+
+def test_bad_exit_and_cache_settings_are_rejected():
+    model = GPT(tiny(n_loop=2))
+    idx = torch.zeros(1, 4, dtype=torch.long)
+    for kw, message in ((dict(exit_threshold=-0.1), "exit_threshold must be >= 0 (0 = off: every position runs "
+                                                    "n_loop loops), got -0.1"),
+                        (dict(exit_threshold=math.nan), "exit_threshold must be >= 0 (0 = off: every position runs "
+                                                        "n_loop loops), got nan"),
+                        (dict(exit_threshold=1e-3, n_loop=-1), "n_loop, the most loops a position runs with "
+                                                               "adaptive exit, must be from 1 to 1024 "
+                                                               "(model.MAX_LOOPS), got -1"),
+                        (dict(exit_threshold=1e-3, n_loop=5000), "n_loop, the most loops a position runs with "
+                                                                 "adaptive exit, must be from 1 to 1024 "
+                                                                 "(model.MAX_LOOPS), got 5000")):
+        with pytest.raises(ValueError) as e:
+            model.exit_logits(idx, **kw)
+        assert str(e.value) == message
+        with pytest.raises(ValueError) as e:
+            model.generate(idx, 3, **kw)
+        assert str(e.value) == message
+    with pytest.raises(ValueError) as e:
+        model.generate(idx, 3, kv_cache="last")
+    assert str(e.value) == "unknown kv_cache 'last'; choose one of per_visit, last_loop"
+    for kw in (dict(exit_threshold=1e-3), dict(kv_cache="last_loop")):
+        with pytest.raises(ValueError) as e:
+            model.generate(idx, 3, use_cache=False, **kw)
+        assert str(e.value) == ("adaptive exit (exit_threshold > 0) and kv_cache=last_loop work on the KV cache: use "
+                                "use_cache=True")

@@ -8,6 +8,7 @@ from model import GPT, GPTConfig
 from dataset import get_tokenizer
 from prepare_data import prepare
 from scripts import run_script
+from test_model import agree_after
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # English with multi-byte UTF-8 characters, so that byte-level samples split characters across tokens
@@ -150,3 +151,34 @@ def test_bad_input_is_a_one_line_error(case, bytes_run, tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert "missing.txt" in lines[0] if case == "missing prompt" else "ckpt.pt" in lines[0]
+
+
+def test_adaptive_exit_reports_the_loops_each_token_used(bytes_run, monkeypatch):
+    """Against a model whose loops agree after 2 (test_model.agree_after): every token takes 3 loops."""
+    args = ("--start=The ", "--num_samples=2", "--max_new_tokens=30", "--top_k=1", "--n_loop=6")
+    agree_after(monkeypatch, 2)
+    result = run("sample.py", f"--out_dir={bytes_run}", "--device=cpu", "--dtype=float32", *args,
+                 "--exit_threshold=1e-9")
+    assert result.returncode == 0, result.stderr
+    assert "sampling with adaptive exit at KL 1e-09, at most 6 loops" in result.stderr
+    assert result.stderr.splitlines()[-1] == "loops per token: mean 3.00, 3: 60 tokens"
+
+
+def test_exit_every_kl_passes_is_one_loop_and_last_loop_at_one_loop_is_per_visit(bytes_run):
+    args = ("--start=The ", "--num_samples=1", "--max_new_tokens=60", "--top_k=1")
+    one_loop = sample(bytes_run, *args, "--n_loop=1")
+    assert sample(bytes_run, *args, "--n_loop=4", "--exit_threshold=1e30") == one_loop
+    assert sample(bytes_run, *args, "--n_loop=1", "--kv_cache=last_loop") == one_loop
+    assert sample(bytes_run, *args, "--exit_threshold=0.0") == sample(bytes_run, *args)
+
+
+@pytest.mark.parametrize("setting,message", [
+    (["--exit_threshold=-1e-3"], "--exit_threshold must be >= 0 (0 = off), got -0.001"),
+    (["--kv_cache=last"], "--kv_cache must be one of per_visit, last_loop, got 'last'"),
+    (["--exit_threshold=1e-3", "--use_cache=False"],
+     "--exit_threshold and --kv_cache=last_loop work on the KV cache: drop --use_cache=False"),
+    (["--n_loop=-1", "--exit_threshold=1e-3"], "--n_loop must be >= 0, got -1"),
+])
+def test_bad_exit_and_cache_settings_are_one_line_errors(bytes_run, setting, message):
+    result = run("sample.py", f"--out_dir={bytes_run}", "--device=cpu", *setting)
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", f"error: {message}\n")
