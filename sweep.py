@@ -414,8 +414,13 @@ if mode == "depth":
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     panels = [(s, p) for s in scheme_list for p in exponent_list]
-    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4.2 * (len(panels) + 1), 4), squeeze=False)
-    for ax, (s, p) in zip(axes[0], panels):
+    cols = min(len(panels) + 1, 5)  # rows of 5 panels: a grid of many schemes (variants) stays readable
+    rows = -(-(len(panels) + 1) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 4 * rows), squeeze=False)
+    axes = axes.ravel()
+    for ax in axes[len(panels) + 1:]:
+        ax.axis("off")
+    for ax, (s, p) in zip(axes, panels):
         for i, r in enumerate(loop_list):
             if (s, r, p) in best and best[s, r, p][1]:
                 acc = by_k(best[s, r, p][1])
@@ -425,8 +430,8 @@ if mode == "depth":
         ax.plot([int(k) for k in ks], [shortcut[k] for k in ks], "k--", lw=1, label="best shortcut")
         ax.set(xlabel="k (pointers to follow)", ylim=(0, 1.02), title=scheme_label(s, p))
         ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("val accuracy (mean ± std over seeds)")
-    ax = axes[0][-1]
+    axes[0].set_ylabel("val accuracy (mean ± std over seeds)")
+    ax = axes[len(panels)]
     for s, p in panels:
         points = [(r, *mean_std([run["accuracy"][hardest] for run in best[s, r, p][1]])) for r in loop_list
                   if (s, r, p) in best and best[s, r, p][1]]
