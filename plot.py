@@ -157,6 +157,7 @@ if __name__ == "__main__":
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
+    plt.close(fig)
     print(f"wrote {png}: {'; '.join(labels)}")
     # the last panel as a table, and on a task the accuracy at its hardest k, for runs evaluated at several loop counts
     lasts = {label: kinds["eval"][-1] for label, (_, _, kinds) in zip(labels, runs) if "eval" in kinds}

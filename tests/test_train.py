@@ -623,7 +623,10 @@ def test_plot_draws_any_number_of_runs(workdir, first_half):
     train(workdir, "--out_dir=deepnorm", "--residual=deepnorm", "--n_loop=1", "--max_iters=4")
     result = run_script("plot.py", str(half_dir), "deepnorm", "--png=both.png", cwd=workdir)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "wrote both.png: deeploop, n_loop=2; deepnorm, n_loop=1"
+    assert result.stdout.splitlines()[0] == "wrote both.png: deeploop, n_loop=2; deepnorm, n_loop=1"
+    # the probes of both runs' last evaluations, a row each: 2 x 2 visits, or 2 blocks once, and the core's input
+    assert re.search(r"\| deeploop, n_loop=2 \|( [\d.]+ \|){5}\n\| deepnorm, n_loop=1 \|( [\d.]+ \|){3}  \|  \|\n",
+                     result.stdout), result.stdout
     assert (workdir / "both.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
