@@ -206,7 +206,6 @@ def test_transfer_mode_on_the_depth_task_ranks_rates_by_accuracy_at_the_hardest_
     assert (out / "transfer.png").stat().st_size > 10000 and not (out / "curves.png").exists()
 
 
-
 def test_transfer_verdict_says_no_best_rate_where_the_rates_tie_or_no_run_beats_the_shortcut(tmp_path):
     out = tmp_path / "transfer-collapsed"
     # accuracy at k = 2 (the shortcut: 0.25) by rate 1e-3, 2e-3, 4e-3, the same for both seeds
@@ -288,7 +287,6 @@ def test_a_tiny_real_sweep_records_kappa_and_resumes(early):
     r = sweep(*args, f"--dtype={other}", "--loops=1,2,3")
     assert r.returncode == 2 and r.stderr == f"error: {out} holds runs in {dtype}; a sweep keeps one precision: " \
                                              f"leave --dtype at auto or choose another --out_dir\n"
-
 
 
 def test_depth_task_runs_are_tested_in_their_precision_measured_at_their_shapes(early):
