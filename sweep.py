@@ -63,6 +63,7 @@ learning_rates = ""
 seeds = ""
 workers = 2               # runs at the same time, one CPU thread each (2 single-threaded runs beat 1 two-threaded)
 escape_margin = 0.1       # nats below the unigram floor that count as having escaped it
+learned_accuracy = 0.9    # depth mode: a run has learned the task when its val accuracy at k = 1 is at least this
 # the model and the budget of every run
 n_layer = 2
 n_head = 4
@@ -101,16 +102,21 @@ BUDGETS = {
     "depth": dict(batch_size=32, max_iters=500, warmup_iters=100),  # 90 runs in 27 min (at 600 steps: 32)
     "transfer on chains": dict(batch_size=32, max_iters=200, warmup_iters=50),  # 288 runs in 30.6 min
 }
-# Model variants a scheme can run in, as `--schemes=deeploop+concat`: the designs of the recurrent-depth models
-# (model.LoopInput; Huginn's prelude / core / coda) and the training levers tried on looped Post-LN blocks
+# Model variants a scheme can run in, as `--schemes=deeploop+concat`, and together, as `deeploop+add+curriculum`: the
+# designs of the recurrent-depth models (model.LoopInput; Huginn's prelude / core / coda), the DeepLoop paper's
+# backbone, and the training levers tried on looped Post-LN blocks (the last two on the depth task's 1,500 steps)
 VARIANTS = {
-    "": {},
     "add": dict(loop_input="add"),
     "concat": dict(loop_input="concat"),
     "121": dict(n_prelude=1, n_coda=1),  # 1 prelude block, the core of n_layer looped, 1 coda block
     "huginn": dict(n_prelude=1, n_coda=1, loop_input="concat"),
+    "paper": dict(norm="rmsnorm", position_encoding="rope", norm_branch_input=True),  # RMSNorm(a x + f(RMSNorm(x)))
+    "relative": dict(chain_pointers="relative"),  # pointers RoPE can see (tasks.py)
+    "curriculum": dict(chain_curriculum=750),  # chains grow from 1 pointer to chain_hops over half the run
+    "warmup": dict(warmup_iters=500),  # five times the depth task's warmup
 }
 INJECTED = ("add", "concat")  # variants that differ from the scheme alone only from the second loop on
+ON_CHAINS_ONLY = ("relative", "curriculum")
 MODEL_AND_BUDGET = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "max_iters", "warmup_iters",
                     "eval_iters")
 # Appendix C of the paper: runs out of 5 (GPT-2 small, R = 3, ~2,700 steps) that escaped the unigram floor
@@ -141,9 +147,14 @@ def number_list(name, kind):
 
 
 def split_scheme(scheme):
-    """'deeploop+huginn' -> ('deeploop', 'huginn'): a residual scheme, and the variant of the model it runs in."""
-    residual, _, variant = scheme.partition("+")
-    return residual, variant
+    """'deeploop+add+curriculum' -> ('deeploop', ['add', 'curriculum']): a residual scheme, and its variants."""
+    residual, *variants = scheme.split("+")
+    return residual, variants
+
+
+def variant_settings(scheme):
+    """The train.py settings of a scheme's variants, the later ones winning."""
+    return {k: v for variant in split_scheme(scheme)[1] for k, v in VARIANTS[variant].items()}
 
 
 scheme_list = str(schemes or MODES[grid_name]["schemes"]).split(",")
@@ -151,12 +162,15 @@ loop_list, seed_list = number_list("loops", int), number_list("seeds", int)
 exponent_list, lr_list = number_list("exponents", float), number_list("learning_rates", float)
 for scheme in scheme_list:
     known = RESIDUALS + (("untied",) if mode == "depth" else ())
-    residual, variant = split_scheme(scheme)
+    residual, variants = split_scheme(scheme)
     if residual not in known:
         die(f"unknown scheme '{residual}' in --schemes; use {', '.join(known)}")
-    if variant not in VARIANTS:
-        die(f"unknown variant '{variant}' in --schemes={scheme}; use {', '.join(v for v in VARIANTS if v)} after a +")
-    if residual == "untied" and variant:
+    for variant in variants:
+        if variant not in VARIANTS:
+            die(f"unknown variant '{variant}' in --schemes={scheme}; use {', '.join(VARIANTS)} after a +")
+        if variant in ON_CHAINS_ONLY and not on_chains:
+            die(f"variant '{variant}' in --schemes={scheme} is for the depth task: use it with --mode=depth")
+    if residual == "untied" and variants:
         die(f"the untied control takes no variant: use --schemes=untied, not {scheme}")
     if residual not in OWN_EXPONENT and any(exponent_list):
         die(f"--exponents apply to deeploop and deepnorm only, not {residual}; drop it from --schemes")
@@ -190,7 +204,7 @@ def train(scheme, n_loop, exponent, lr, seed):
     """One train.py run -> its result dict (also saved as result.json in the run's folder)."""
     name = f"{scheme}_R{n_loop}_p{exponent:g}_lr{lr:g}_seed{seed}"
     run_dir = os.path.join(out_dir, "runs", name)
-    residual, variant = split_scheme(scheme)
+    residual = split_scheme(scheme)[0]
     result_path = os.path.join(run_dir, "result.json")
     if os.path.isfile(result_path):
         with open(result_path) as f:
@@ -201,7 +215,7 @@ def train(scheme, n_loop, exponent, lr, seed):
         args = dict(mode_budget, out_dir=run_dir, residual="preln" if untied else residual,
                     residual_exponent=exponent, n_layer=n_layer * n_loop if untied else n_layer,
                     n_loop=1 if untied else n_loop, learning_rate=lr, min_lr=lr / 10, seed=seed, device="cpu",
-                    dtype=run_dtype, compile=False, **VARIANTS[variant])
+                    dtype=run_dtype, compile=False, **variant_settings(scheme))
         args.update(lr_decay_iters=args["max_iters"], eval_interval=args["max_iters"])
         cmd = [sys.executable, "train.py", DEPTH_CONFIG] + [f"--{k}={v}" for k, v in args.items()]
     else:
@@ -210,7 +224,8 @@ def train(scheme, n_loop, exponent, lr, seed):
                     gradient_accumulation_steps=1, dropout=0.0, learning_rate=lr, min_lr=lr / 10,
                     warmup_iters=warmup_iters, max_iters=max_iters, lr_decay_iters=max_iters,
                     eval_interval=max_iters, eval_iters=eval_iters, log_interval=max(1, max_iters // 25), seed=seed,
-                    device="cpu", dtype=run_dtype, compile=False, **VARIANTS[variant])
+                    device="cpu", dtype=run_dtype, compile=False)
+        args.update(variant_settings(scheme))  # a variant may set what every run sets (warmup_iters)
         cmd = [sys.executable, "train.py"] + [f"--{k}={v}" for k, v in args.items()]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     t0 = time.time()
@@ -300,7 +315,7 @@ def sweep_dtype():
 
 t_start = time.time()
 grid = [(s, r, p, lr, seed) for s in scheme_list for r in loop_list for p in exponent_list for lr in lr_list
-        for seed in seed_list if (s, r) != ("untied", 1) and not (r == 1 and split_scheme(s)[1] in INJECTED)]
+        for seed in seed_list if (s, r) != ("untied", 1) and not (r == 1 and set(split_scheme(s)[1]) & set(INJECTED))]
 # untied at R = 1 is Pre-LN at R = 1; an injected input at R = 1 is never read (it enters between loops)
 if not grid:
     die("the grid has no runs: untied at R = 1 would be Pre-LN at R = 1, and an injected input is never read at R = 1, "
@@ -349,14 +364,18 @@ if mode == "depth":
     def cell(stat):
         return "—" if stat is None else f"{stat[0]:.2f} ± {stat[1]:.2f}"
 
+    def learned(runs):
+        """How many of the runs learned the task: val accuracy at k = 1 at least learned_accuracy."""
+        return sum(run["accuracy"]["1"] >= learned_accuracy for run in runs)
+
     done = {key: [run for run in runs if run["accuracy"]] for key, runs in groups.items()}
     ks = sorted(shortcut, key=int)
-    best_lr = {}  # (scheme, R, p) -> the rate with the highest mean accuracy over k and seeds; none with a diverged run
+    best_lr = {}  # (scheme, R, p) -> ((learned, mean accuracy over k and seeds), its rate); none with a diverged run
     for (s, r, p, lr), runs in groups.items():
         if len(done[s, r, p, lr]) == len(runs):
-            score = sum(mean_over_k(run["accuracy"]) for run in runs) / len(runs)
-            if score > best_lr.get((s, r, p), (-1, None))[0]:
-                best_lr[s, r, p] = (score, lr)
+            rank = (learned(runs), sum(mean_over_k(run["accuracy"]) for run in runs) / len(runs))
+            if rank > best_lr.get((s, r, p), ((-1, -1), None))[0]:
+                best_lr[s, r, p] = (rank, lr)
     best = {key: (lr, done[(*key, lr)]) for key, (_, lr) in best_lr.items()}
     first = next(iter(results.values()))
     lines = [f"# sweep.py --mode=depth", "",
@@ -365,11 +384,12 @@ if mode == "depth":
              f"{','.join(map(str, seed_list))}, learning rates {', '.join(f'{lr:g}' for lr in lr_list)}; mean ± std "
              f"over seeds. Chance is 1/chain_values; the best shortcut is the best of the guesses that do not follow "
              f"the chains (tasks.shortcuts), on the same val batches.", "",
-             "Each scheme at its best learning rate (highest mean accuracy over k; a rate with a diverged run is not "
-             "eligible):", "",
-             "| scheme | R | lr | " + " | ".join(f"k={k}" for k in ks) + " | kappa_R |",
-             "|---|---|---|" + "---|" * (len(ks) + 1),
-             "| best shortcut | | | " + " | ".join(f"{shortcut[k]:.2f}" for k in ks) + " | |"]
+             f"Each scheme at its best learning rate: where most seeds *learned* the task (val accuracy at k = 1 at "
+             f"least {learned_accuracy:g}), then the highest mean accuracy over k; a rate with a diverged run is not "
+             f"eligible:", "",
+             "| scheme | R | lr | " + " | ".join(f"k={k}" for k in ks) + " | kappa_R | learned |",
+             "|---|---|---|" + "---|" * (len(ks) + 2),
+             "| best shortcut | | | " + " | ".join(f"{shortcut[k]:.2f}" for k in ks) + " | | |"]
     for s in scheme_list:
         for p in exponent_list:
             for r in loop_list:
@@ -377,9 +397,19 @@ if mode == "depth":
                     lr, runs = best[s, r, p]
                     acc = by_k(runs)
                     lines.append(f"| {scheme_label(s, p)} | {r} | {lr:g} | " + " | ".join(cell(acc[k]) for k in ks)
-                                 + f" | {fmt(mean_std([run['kappa'] for run in runs]), 2)} |")
+                                 + f" | {fmt(mean_std([run['kappa'] for run in runs]), 2)} | "
+                                 f"{learned(runs)}/{len(runs)} |")
                 elif any(key[:3] == (s, r, p) for key in groups):
                     lines.append(f"| {scheme_label(s, p)} | {r} | — | every rate had a diverged run |")
+    # the paper's Appendix C on the task: how many seeds learn, by scheme (and exponent p) and R
+    lines += ["", f"Seeds that learned the task (val accuracy at k = 1 at least {learned_accuracy:g}) at each "
+              f"scheme's best rate, out of the seeds run:", "",
+              "| scheme | " + " | ".join(f"R={r}" for r in loop_list) + " |", "|---|" + "---|" * len(loop_list)]
+    for s in scheme_list:
+        for p in exponent_list:
+            cells = [f"{learned(best[s, r, p][1])}/{len(best[s, r, p][1])} (lr {best[s, r, p][0]:g})"
+                     if (s, r, p) in best else "—" for r in loop_list]
+            lines.append(f"| {scheme_label(s, p)} | " + " | ".join(cells) + " |")
     lines += ["", f"Every run: accuracy at the hardest k = {hardest}, mean accuracy over k, and kappa_R (visit "
               f"alignment, mean over the physical blocks) at the end of training:", "",
               "| scheme | R | lr | seed | k=" + hardest + " | mean over k | kappa_R |", "|---|---|---|---|---|---|---|"]
@@ -445,6 +475,7 @@ if mode == "depth":
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "depth.png"), dpi=110)
+    plt.close(fig)  # tests run the sweep in-process
     print(f"plot: {os.path.join(out_dir, 'depth.png')}")
     print(f"sweep took {minutes:.1f} min")
     sys.exit(0)
@@ -673,5 +704,6 @@ else:
     ax.legend(fontsize=8)
 fig.tight_layout()
 fig.savefig(os.path.join(out_dir, f"{mode}.png"), dpi=110)
+plt.close("all")  # the curves' figure too: tests run the sweep in-process
 print("plots: " + ", ".join(os.path.join(out_dir, name) for name in [f"{mode}.png"] + ["curves.png"] * (not on_chains)))
 print(f"sweep took {minutes:.1f} min")

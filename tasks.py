@@ -2,8 +2,9 @@
 A built-in task where depth is the bottleneck: pointer chains, made on the fly from a seed (no files, no download).
 
 A sequence of block_size cells. A cell holds either a value (token v, 0 <= v < n_values) or a pointer to an earlier
-cell (token n_values + p: "look at cell p"). The cells form chains: a value, then cells each pointing at the previous
-cell of its chain, interleaved at random with the other chains of the sequence. The answer at a pointer cell is the
+cell (token n_values + p: "look at cell p"; relative pointers, below: n_values + d, "look d cells back"). The cells
+form chains: a value, then cells each pointing at the previous cell of its chain, interleaved at random with the
+other chains of the sequence. The answer at a pointer cell is the
 value its chain starts with, and k = the number of pointers to follow to get there (its hops). Every pointer cell is
 supervised, so one sequence measures every k from 1 to max_hops:
 
@@ -21,8 +22,13 @@ guesses do). Every answer is uniform over the values, so chance, 1 / n_values, i
 
 Chains have 1 to max_hops pointers (uniform), so k = j has a share proportional to max_hops + 1 - j.
 
+Relative pointers (pointers="relative"): token n_values + d means "look d cells back" instead of "look at cell p".
+Rotary position encodings (RoPE) show attention only the distance between two cells, never a cell's index, so an
+absolute pointer asks a RoPE model to work out where cell p is; a relative one names what RoPE can see.
+
     task = PointerChains(n_values=8, max_hops=16, block_size=64, seed=0, split="train")
     x, y = task.batch(index, batch_size)    # like dataset.TokenWindows.batch: a function of (seed, split, index)
+    x, y = task.batch(index, batch_size, max_hops=2)   # chains of 1-2 pointers only (a curriculum, curriculum_hops)
     k = task.hops(x)                        # the hops of every cell, from x alone
 
 A library module: bad settings raise ValueError naming the fix.
@@ -36,11 +42,14 @@ import torch
 from common import precision
 
 SPLITS = ("train", "val")
+POINTERS = ("absolute", "relative")
 
 
 class PointerChains:
 
-    def __init__(self, n_values, max_hops, block_size, seed, split):
+    def __init__(self, n_values, max_hops, block_size, seed, split, pointers="absolute"):
+        if pointers not in POINTERS:
+            raise ValueError(f"unknown chain_pointers {pointers!r}: use absolute (cell p) or relative (d cells back)")
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}: use train or val")
         if n_values < 2:
@@ -52,19 +61,23 @@ class PointerChains:
                              f"value: use block_size >= {max_hops + 1}")
         self.n_values, self.max_hops, self.block_size, self.seed, self.split = (n_values, max_hops, block_size, seed,
                                                                                 split)
+        self.relative = pointers == "relative"
         self.vocab_size = n_values + block_size
-        # what a checkpoint names where a text run names its tokenizer
-        self.name = f"chains(values={n_values}, hops={max_hops}, cells={block_size})"
+        # what a checkpoint names where a text run names its tokenizer (resuming with other pointers: another task)
+        self.name = f"chains(values={n_values}, hops={max_hops}, cells={block_size}" + (
+            ", pointers=relative)" if self.relative else ")")
 
-    def batch(self, index, batch_size):
-        """(x, y), int64 tensors (batch_size, block_size): cells and answers (-1 at value cells)."""
+    def batch(self, index, batch_size, max_hops=None):
+        """(x, y), int64 tensors (batch_size, block_size): cells and answers (-1 at value cells); chains of at most
+        max_hops pointers (None: the task's max_hops)."""
+        max_hops = min(max_hops or self.max_hops, self.max_hops)
         # train and val are disjoint generator streams: the split is part of the seed
         rng = np.random.default_rng([self.seed, SPLITS.index(self.split), index])
         T, V = self.block_size, self.n_values
         x, y = np.empty((batch_size, T), dtype=np.int64), np.empty((batch_size, T), dtype=np.int64)
         for row in range(batch_size):
             # chains of 2 .. max_hops + 1 cells until the row is full (the last one cut short), shuffled together
-            cells = rng.integers(2, self.max_hops + 2, size=T)
+            cells = rng.integers(2, max_hops + 2, size=T)
             n_chains = np.searchsorted(np.cumsum(cells), T) + 1
             chain = rng.permutation(np.repeat(np.arange(n_chains), cells[:n_chains])[:T])
             # distinct first values (while there are enough): a value seen twice would hint at the answer. More
@@ -74,7 +87,8 @@ class PointerChains:
             # cells in chain order: each one's predecessor in the chain is the cell before it in this order
             order = np.argsort(chain, kind="stable")
             first = np.r_[True, chain[order[1:]] != chain[order[:-1]]]
-            x[row, order] = np.where(first, value[chain[order]], V + np.r_[0, order[:-1]])
+            parent = np.r_[0, order[:-1]]  # of each cell in chain order (at a first cell: unused)
+            x[row, order] = np.where(first, value[chain[order]], V + (order - parent if self.relative else parent))
             y[row, order] = np.where(first, -1, value[chain[order]])
         return torch.from_numpy(x), torch.from_numpy(y)
 
@@ -82,15 +96,19 @@ class PointerChains:
         """The chain of a cell of one sequence (cells: (T,)) as text: 'cell 9 -> cell 4 -> cell 0 = 3'."""
         path = [cell]
         while cells[path[-1]] >= self.n_values:
-            path.append(cells[path[-1]].item() - self.n_values)
+            path.append(self.parent(cells[path[-1]].item(), path[-1]))
         return " -> ".join(f"cell {c}" for c in path) + f" = {cells[path[-1]].item()}"
+
+    def parent(self, token, cell):
+        """The cell that a pointer token at this cell names (int or tensor)."""
+        return cell - (token - self.n_values) if self.relative else token - self.n_values
 
     def hops(self, x):
         """k of every cell of x (B, T): 0 at a value, 1 + the k of the cell it points at."""
         k = torch.zeros_like(x)
         pointer = x >= self.n_values
         for t in range(1, x.size(1)):  # a pointer names an earlier cell, whose k is known by then
-            parent = (x[:, t] - self.n_values).clamp(0, t - 1)
+            parent = self.parent(x[:, t], t).clamp(0, t - 1)
             k[:, t] = torch.where(pointer[:, t], k.gather(1, parent[:, None])[:, 0] + 1, 0)
         return k
 
@@ -157,8 +175,19 @@ def require_text(checkpoint, out_dir):
 
 
 def make_task(config, split, seed):
-    """The task of a run from its settings (train.py's globals, or a checkpoint's "config")."""
-    return TASKS[config["dataset"]](config["chain_values"], config["chain_hops"], config["block_size"], seed, split)
+    """The task of a run from its settings (train.py's globals, or a checkpoint's "config"; one older than
+    chain_pointers had absolute pointers)."""
+    return TASKS[config["dataset"]](config["chain_values"], config["chain_hops"], config["block_size"], seed, split,
+                                    config.get("chain_pointers", "absolute"))
+
+
+def curriculum_hops(step, curriculum_iters, max_hops):
+    """The longest chain a training batch has at this step under a curriculum over k: from 1 pointer at step 0 up,
+    linearly, to max_hops at step curriculum_iters and after (0: max_hops from the start). Why: a model that has not
+    learnt to follow one pointer gets little signal from chains of six; evaluations keep every k."""
+    if curriculum_iters <= 0:
+        return max_hops
+    return min(max_hops, 1 + step * (max_hops - 1) // curriculum_iters)
 
 
 def run_precision(checkpoint, device):

@@ -43,7 +43,7 @@ from configurator import configure, die
 from dataset import EVAL_SEED, TokenWindows, load_meta
 from model import GPT, MAX_LOOPS, GPTConfig, TrainLoops
 from prepare_data import prepare_builtin_if_missing
-from tasks import TASKS, accuracy_by_k, best_shortcut, format_by_k, hits_by_k, make_task, shortcuts
+from tasks import TASKS, accuracy_by_k, best_shortcut, curriculum_hops, format_by_k, hits_by_k, make_task, shortcuts
 
 # ---------------------------------------------------------------------------------------------------------------------
 # config; the defaults are a GPT-2-small-wide looped model on OpenWebText (like config/loop_small.py)
@@ -62,6 +62,8 @@ dataset = "openwebtext"  # folder data/<dataset> from prepare_data.py (builtin a
 #                          or a task of tasks.py made on the fly: chains (pointer chains, block_size cells a sequence)
 chain_values = 8         # chains: the values a chain can start with (chance is 1 / chain_values)
 chain_hops = 6           # chains: pointers in the longest chain; accuracy is reported for k = 1 .. chain_hops
+chain_pointers = "absolute"  # chains: absolute (token: the cell's index) or relative (cells back: what RoPE sees)
+chain_curriculum = 0     # chains: training chains grow from 1 pointer to chain_hops over this many steps (0: off)
 # Micro-batches per optimizer step over ALL processes together (as in nanoGPT): each of the W DDP processes runs
 # gradient_accumulation_steps / W of them, so a step sees the same tokens whatever the number of processes.
 gradient_accumulation_steps = 40
@@ -121,6 +123,8 @@ if dtype not in ("auto", "float32", "bfloat16", "float16"):
     die(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
 if min(eval_interval, eval_iters, log_interval, gradient_accumulation_steps, batch_size) < 1:
     die("eval_interval, eval_iters, log_interval, gradient_accumulation_steps and batch_size must all be >= 1")
+if chain_curriculum < 0:
+    die(f"chain_curriculum must be >= 0 (steps over which chains grow to chain_hops; 0: off), got {chain_curriculum}")
 if not 0 <= seed < 2 ** 31:  # numpy takes no negative seeds, and seed + rank seeds its 32-bit generator
     die(f"seed must be from 0 to 2**31 - 1, got {seed}")
 try:
@@ -292,8 +296,10 @@ else:
     except (FileNotFoundError, ValueError) as e:
         die(str(e))
     if checkpoint["tokenizer"] != meta["tokenizer"]:
-        die(f"{ckpt_path} was trained on {checkpoint['tokenizer']} tokens but data/{dataset} holds "
-            f"{meta['tokenizer']} tokens; resume with the dataset it was trained on")
+        die(f"{ckpt_path} was trained on {checkpoint['tokenizer']} but these settings make {meta['tokenizer']}; "
+            f"resume with the run's chain settings" if task else f"{ckpt_path} was trained on "
+            f"{checkpoint['tokenizer']} tokens but data/{dataset} holds {meta['tokenizer']} tokens; resume with the "
+            f"dataset it was trained on")
     # against the loaded model's config: a checkpoint older than a setting means its default
     changed = [f"{k}={v!r} (checkpoint: {getattr(raw_model.config, k)!r})" for k, v in model_args.items()
                if getattr(raw_model.config, k) != v]
@@ -626,8 +632,9 @@ while True:
     loss_sum = torch.zeros((), device=device)
     step_loops = train_loops.draw(seed, iter_num) or n_loop  # the same on every process and micro-batch
     for micro in range(accum_steps):
-        x, y = to_device(train_data.batch(iter_num * gradient_accumulation_steps + rank * accum_steps + micro,
-                                          batch_size))
+        index = iter_num * gradient_accumulation_steps + rank * accum_steps + micro
+        x, y = to_device(train_data.batch(index, batch_size, curriculum_hops(iter_num, chain_curriculum, chain_hops))
+                         if task else train_data.batch(index, batch_size))
         # DDP averages gradients over processes in backward; only the last micro-batch's backward needs to
         with ddp_model.no_sync() if ddp and micro < accum_steps - 1 else nullcontext():
             with autocast:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
-from tasks import (PointerChains, accuracy_by_k, best_shortcut, evaluate, hits_by_k, make_task, require_text,
-                   run_precision, shortcuts)
+from tasks import (PointerChains, accuracy_by_k, best_shortcut, curriculum_hops, evaluate, hits_by_k, make_task,
+                   require_text, run_precision, shortcuts)
 
 V, K, T = 8, 6, 24
 
@@ -41,6 +41,38 @@ def test_every_answer_and_every_k_is_what_following_the_pointers_gives():
             assert y[row, cell] == (value if hops else -1)
             seen_k.add(hops)
     assert seen_k == set(range(K + 1))  # every k from 0 (a value) to the longest chain occurs
+
+
+def test_relative_pointers_name_the_same_cells_as_distances_back():
+    """The same chains as absolute pointers, each pointer token V + (cell - the cell it names) instead of V + that
+    cell; answers, hops, shortcuts and descriptions unchanged."""
+    absolute = task()
+    relative = PointerChains(n_values=V, max_hops=K, block_size=T, seed=0, split="train", pointers="relative")
+    (xa, ya), (xr, yr) = absolute.batch(3, 16), relative.batch(3, 16)
+    pointer = xa >= V
+    assert torch.equal(pointer, xr >= V) and torch.equal(xa[~pointer], xr[~pointer]) and torch.equal(ya, yr)
+    cell = torch.arange(T).expand(16, T)
+    assert torch.equal((cell - (xr - V))[pointer], (xa - V)[pointer])
+    assert (xr[pointer] - V).min() >= 1 and (xr - V).max() < T  # within the vocabulary of n_values + block_size
+    assert torch.equal(relative.hops(xr), absolute.hops(xa))
+    assert shortcuts(relative, xr, yr) == shortcuts(absolute, xa, ya)
+    assert relative.describe(xr[0], T - 1) == absolute.describe(xa[0], T - 1)
+    assert relative.name == f"chains(values={V}, hops={K}, cells={T}, pointers=relative)"
+    config = dict(dataset="chains", chain_values=V, chain_hops=K, block_size=T)
+    assert make_task(config, "train", 0).name == absolute.name  # a checkpoint older than the setting: absolute
+    assert torch.equal(make_task(dict(config, chain_pointers="relative"), "train", 0).batch(3, 16)[0], xr)
+
+
+def test_a_curriculum_grows_the_chains_from_one_pointer_to_all_of_them():
+    assert [curriculum_hops(step, 500, 6) for step in (0, 99, 100, 250, 499, 500, 10 ** 6)] == [1, 1, 2, 3, 5, 6, 6]
+    assert curriculum_hops(0, 0, 6) == 6 and curriculum_hops(7, 100, 1) == 1
+    t = task()
+    for max_hops in (1, 3):
+        x, y = t.batch(2, 32, max_hops=max_hops)
+        assert t.hops(x).max() == max_hops
+        assert torch.equal(y >= 0, x >= V)  # every pointer still answered
+    assert torch.equal(t.batch(2, 8, max_hops=K)[0], t.batch(2, 8)[0])
+    assert torch.equal(t.batch(2, 8, max_hops=99)[0], t.batch(2, 8)[0])  # never beyond the task's own
 
 
 def test_batches_are_a_function_of_seed_split_and_index_and_the_splits_are_disjoint():
@@ -170,6 +202,7 @@ def test_scripts_for_text_point_a_tasks_checkpoint_to_depth_eval():
     (dict(block_size=5),
      "block_size=5 cannot hold a chain of chain_hops=6 pointers and its value: use block_size >= 7"),
     (dict(split="test"), "unknown split 'test': use train or val"),
+    (dict(pointers="near"), "unknown chain_pointers 'near': use absolute \\(cell p\\) or relative \\(d cells back\\)"),
 ])
 def test_bad_settings_raise_naming_the_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -781,3 +781,29 @@ def test_a_task_run_logs_accuracy_by_k_and_the_shortcuts(tmp_path):
     assert r.stdout.count("val accuracy by k = 1..3: ") == 2 and "the best shortcut" in r.stdout
     assert load(tmp_path / "chains")["tokenizer"] == "chains(values=4, hops=3, cells=12)"
     assert not (tmp_path / "data").exists()
+
+
+def test_relative_pointers_and_a_curriculum_reach_a_task_run_and_bad_ones_are_one_line_errors(tmp_path):
+    """chain_pointers names the task in the checkpoint (resuming with the other one is a one-line error);
+    chain_curriculum changes the training batches (chains of one pointer at step 0) but not the evaluations."""
+    chains = ["--dataset=chains", "--chain_values=4", "--chain_hops=3", "--block_size=12", "--max_iters=2"]
+    train(tmp_path, *chains, "--out_dir=relative", "--chain_pointers=relative")
+    assert load(tmp_path / "relative")["tokenizer"] == "chains(values=4, hops=3, cells=12, pointers=relative)"
+    r = train(tmp_path, *chains, "--out_dir=relative", "--init_from=resume", "--max_iters=4", expect_rc=2)
+    assert r.stderr == ("error: relative/ckpt.pt was trained on chains(values=4, hops=3, cells=12, pointers=relative) "
+                        "but these settings make chains(values=4, hops=3, cells=12); resume with the run's chain "
+                        "settings\n")
+    assert load(tmp_path / "relative")["iter_num"] == 2  # nothing overwritten
+    train(tmp_path, *chains, "--out_dir=plain")
+    train(tmp_path, *chains, "--out_dir=curriculum", "--chain_curriculum=100")
+    plain, curriculum = (records(tmp_path / name) for name in ("plain", "curriculum"))
+    first_loss = [next(r["loss"] for r in run if r["type"] == "train") for run in (plain, curriculum)]
+    assert first_loss[0] != first_loss[1]  # the same weights at step 0, other chains
+    evals = [[r for r in run if r["type"] == "eval"][0] for run in (plain, curriculum)]
+    assert evals[0]["accuracy"] == evals[1]["accuracy"] and sorted(evals[1]["accuracy"]) == ["1", "2", "3"]
+    for override, message in [
+        ("--chain_curriculum=-1", "chain_curriculum must be >= 0 (steps over which chains grow to chain_hops; 0: off), "
+                                  "got -1"),
+        ("--chain_pointers=near", "unknown chain_pointers 'near': use absolute (cell p) or relative (d cells back)")]:
+        r = train(tmp_path, *chains, "--out_dir=bad", override, expect_rc=2)
+        assert r.stderr == f"error: {message}\n"
