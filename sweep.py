@@ -60,6 +60,7 @@ schemes = ""
 loops = ""                # n_loop values; the physical depth n_layer stays fixed
 exponents = ""            # residual_exponent values (0 = the scheme's own p)
 learning_rates = ""
+scheme_rates = ""         # depth mode: some schemes' own rates instead, like "postln:3e-4,1e-3;deeploop:1e-3,3e-3"
 seeds = ""
 workers = 2               # runs at the same time, one CPU thread each (2 single-threaded runs beat 1 two-threaded)
 escape_margin = 0.1       # nats below the unigram floor that count as having escaped it
@@ -160,6 +161,18 @@ def variant_settings(scheme):
 scheme_list = str(schemes or MODES[grid_name]["schemes"]).split(",")
 loop_list, seed_list = number_list("loops", int), number_list("seeds", int)
 exponent_list, lr_list = number_list("exponents", float), number_list("learning_rates", float)
+own_rates = {}  # scheme -> its learning rates where scheme_rates gives them
+for entry in filter(None, scheme_rates.split(";")):
+    scheme, _, rates = entry.partition(":")
+    if mode != "depth":
+        die(f"scheme_rates apply to --mode=depth, not --mode={mode}; give every scheme --learning_rates")
+    if scheme not in scheme_list:
+        die(f"scheme_rates names '{scheme}', which is not in --schemes={','.join(scheme_list)}")
+    try:
+        own_rates[scheme] = [float(v) for v in rates.split(",")]
+    except ValueError:
+        die(f"scheme_rates must be scheme:rates entries separated by ';', like \"postln:3e-4,1e-3;deeploop:1e-3\", "
+            f"got {scheme_rates!r}")
 for scheme in scheme_list:
     known = RESIDUALS + (("untied",) if mode == "depth" else ())
     residual, variants = split_scheme(scheme)
@@ -314,7 +327,8 @@ def sweep_dtype():
 
 
 t_start = time.time()
-grid = [(s, r, p, lr, seed) for s in scheme_list for r in loop_list for p in exponent_list for lr in lr_list
+grid = [(s, r, p, lr, seed) for s in scheme_list for r in loop_list for p in exponent_list
+        for lr in own_rates.get(s, lr_list)
         for seed in seed_list if (s, r) != ("untied", 1) and not (r == 1 and set(split_scheme(s)[1]) & set(INJECTED))]
 # untied at R = 1 is Pre-LN at R = 1; an injected input at R = 1 is never read (it enters between loops)
 if not grid:
@@ -381,7 +395,9 @@ if mode == "depth":
     lines = [f"# sweep.py --mode=depth", "",
              f"Val accuracy by k (the pointers to follow) on the task of {budget} (tasks.py), {n_layer} physical "
              f"blocks looped R times; `untied` is the control with {n_layer}R blocks run once (Pre-LN). Seeds "
-             f"{','.join(map(str, seed_list))}, learning rates {', '.join(f'{lr:g}' for lr in lr_list)}; mean ± std "
+             f"{','.join(map(str, seed_list))}, learning rates {', '.join(f'{lr:g}' for lr in lr_list)}"
+             + "".join(f" ({s}: {', '.join(f'{lr:g}' for lr in rates)})" for s, rates in own_rates.items())
+             + f"; mean ± std "
              f"over seeds. Chance is 1/chain_values; the best shortcut is the best of the guesses that do not follow "
              f"the chains (tasks.shortcuts), on the same val batches.", "",
              f"Each scheme at its best learning rate: where most seeds *learned* the task (val accuracy at k = 1 at "

@@ -206,6 +206,20 @@ def test_depth_mode_counts_the_seeds_that_learned_the_task_by_exponent_at_the_ra
     assert "| deeploop | 5/5 (lr 0.001) |" in (out / "results.md").read_text()
 
 
+def test_depth_mode_gives_schemes_rates_of_their_own(tmp_path):
+    """--scheme_rates: postln runs at 3e-4 and 1e-4 only (a grid it would have to train at 1e-3 fails the test)."""
+    out = tmp_path / "own-rates"
+    write_depth_runs(out, {("preln", 2, 1e-3, 0): (1.0, 1.0), ("postln", 2, 3e-4, 0): (0.95, 0.5),
+                           ("postln", 2, 1e-4, 0): (0.5, 0.3)})
+    r = sweep_made_up("--mode=depth", f"--out_dir={out}", "--schemes=preln,postln", "--loops=2", "--seeds=0",
+                      "--learning_rates=1e-3", "--scheme_rates=postln:3e-4,1e-4")
+    assert r.returncode == 0, r.stderr
+    table = (out / "results.md").read_text()
+    assert "learning rates 0.001 (postln: 0.0003, 0.0001);" in table
+    assert "| postln | 2 | 0.0003 | 0.95 ± 0.00 | 0.50 ± 0.00 | 1.00 ± 0.00 | 1/1 |" in table
+    assert "| preln | 2 | 0.001 | 1.00 ± 0.00 |" in table
+
+
 def test_variants_combine_and_each_reaches_its_runs_settings(tmp_path):
     """--schemes=postln+add+curriculum+warmup: one real (1-step) run gets every variant's settings, later ones
     winning; at R = 1 a scheme with an injected input is not run."""
@@ -367,6 +381,13 @@ def test_depth_task_runs_are_tested_in_their_precision_measured_at_their_shapes(
                                       "huginn, paper, relative, curriculum, warmup after a +"),
     (["--mode=loops", "--schemes=deeploop+curriculum"],
      "variant 'curriculum' in --schemes=deeploop+curriculum is for the depth task: use it with --mode=depth"),
+    (["--mode=depth", "--schemes=preln", "--scheme_rates=postln:1e-3"],
+     "scheme_rates names 'postln', which is not in --schemes=preln"),
+    (["--mode=depth", "--schemes=preln", "--scheme_rates=preln:fast"],
+     "scheme_rates must be scheme:rates entries separated by ';', like \"postln:3e-4,1e-3;deeploop:1e-3\", got "
+     "'preln:fast'"),
+    (["--mode=lr", "--scheme_rates=preln:1e-3"],
+     "scheme_rates apply to --mode=depth, not --mode=lr; give every scheme --learning_rates"),
     (["--mode=depth", "--schemes=untied+add"], "the untied control takes no variant: use --schemes=untied, not "
                                                "untied+add"),
 ])
