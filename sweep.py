@@ -508,6 +508,8 @@ def summary(runs):
 
 
 stats = {key: summary(runs) for key, runs in groups.items()}
+for s, r, p, lr in [(s, r, p, lr) for s in scheme_list for r in loop_list for p in exponent_list for lr in lr_list]:
+    stats.setdefault((s, r, p, lr), summary([]))  # not in the grid (an injected input at R = 1): no runs, no score
 sign = -1 if on_chains else 1  # best = lowest sign * score
 what, escape_word = (f"accuracy k={hardest}", "above shortcut") if on_chains else ("val loss", "escaped")
 tokens = max_iters * batch_size * block_size
@@ -527,7 +529,7 @@ lines = [f"# sweep.py --mode={mode}" + (" --dataset=chains" if on_chains else ""
                    "decorrelated, R = fully aligned).", "",
          f"| scheme | R | p | lr | {escape_word} | {what} (all) | {what} ({escape_word}) | kappa_R |",
          "|---|---|---|---|---|---|---|---|"]
-for (s, r, p, lr), st in stats.items():
+for (s, r, p, lr), st in ((key, st) for key, st in stats.items() if st["runs"]):
     residual = split_scheme(s)[0]
     p_text = f"{p or OWN_EXPONENT[residual]:g}" if residual in OWN_EXPONENT else "—"
     diverged = f" ({st['diverged']} diverged)" if st["diverged"] else ""
@@ -543,6 +545,8 @@ def best_rate(s, r, p):
     guess, would otherwise "stay put" at the lowest)."""
     eligible = [(sign * stats[s, r, p, lr]["score"][0], lr) for lr in lr_list
                 if stats[s, r, p, lr]["score"] and not stats[s, r, p, lr]["diverged"]]
+    if not any(stats[s, r, p, lr]["runs"] for lr in lr_list):
+        return None, "not run"
     if not eligible:
         return None, "every rate had a diverged run"
     if on_chains and not any(stats[s, r, p, lr]["escaped"] for lr in lr_list):
@@ -650,7 +654,7 @@ if mode == "exponent":
         for r in loop_list:
             for lr in lr_list:
                 ps = [p or OWN_EXPONENT[split_scheme(s)[0]] for p in exponent_list]
-                fractions = [stats[s, r, p, lr]["escaped"] / stats[s, r, p, lr]["runs"] for p in exponent_list]
+                fractions = [stats[s, r, p, lr]["escaped"] / max(1, stats[s, r, p, lr]["runs"]) for p in exponent_list]
                 ax.plot(ps, fractions, marker="o", label=f"this repo: {s} R={r} lr {lr:g}")
     ax.plot(list(PAPER_ESCAPED), [n / 5 for n in PAPER_ESCAPED.values()], marker="s", ls="--", color="black",
             label="paper, Appendix C (GPT-2 small, R=3)")

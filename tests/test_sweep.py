@@ -108,6 +108,24 @@ def test_loops_mode_writes_the_table_1_layout(tmp_path, floor):
     assert (out / "loops.png").stat().st_size > 10000
 
 
+@pytest.mark.parametrize("mode", ["loops", "lr"])
+def test_text_modes_table_a_variant_that_is_not_run_at_one_loop(tmp_path, floor, mode):
+    """An injected input is never read at R = 1, so preln+add has no runs there: its cells say so (this crashed)."""
+    out = tmp_path / mode
+    write_runs(out, {("preln", 1, 0.0, 1e-3, 0): 2.5, ("preln", 2, 0.0, 1e-3, 0): 2.6,
+                     ("preln+add", 2, 0.0, 1e-3, 0): 2.7})
+    r = sweep_made_up(f"--mode={mode}", f"--out_dir={out}", "--schemes=preln,preln+add", "--loops=1,2",
+                      "--learning_rates=1e-3", "--seeds=0")
+    assert r.returncode == 0, r.stderr
+    table = (out / "results.md").read_text()
+    assert "| preln+add | 1 | — | 0.001 |" not in table  # no row for runs that were never made
+    if mode == "loops":
+        assert "| preln+add | — | 2.7000 ± 0.0000 |" in table
+    else:
+        assert "| preln+add | 1 | — | no best rate: not run | — |" in table
+        assert "| preln+add | 2 | 0.001 | 2.7000 ± 0.0000 | 1/1 |" in table
+
+
 def test_transfer_mode_reads_each_schemes_best_rate_at_each_loop_count(tmp_path, floor):
     out = tmp_path / "transfer"
     rates = (1e-3, 2e-3, 4e-3, 8e-3)
