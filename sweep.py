@@ -34,6 +34,7 @@ Byte-level tokens (data/builtin_bytes, vocab 256 + a separator) by default: with
 goes almost entirely to the output layer, and in the minutes a sweep has every scheme stops near the unigram level.
 """
 
+import itertools
 import json
 import os
 import runpy
@@ -508,8 +509,8 @@ def summary(runs):
 
 
 stats = {key: summary(runs) for key, runs in groups.items()}
-for s, r, p, lr in [(s, r, p, lr) for s in scheme_list for r in loop_list for p in exponent_list for lr in lr_list]:
-    stats.setdefault((s, r, p, lr), summary([]))  # not in the grid (an injected input at R = 1): no runs, no score
+for key in itertools.product(scheme_list, loop_list, exponent_list, lr_list):
+    stats.setdefault(key, summary([]))  # not in the grid (an injected input at R = 1): no runs, no score
 sign = -1 if on_chains else 1  # best = lowest sign * score
 what, escape_word = (f"accuracy k={hardest}", "above shortcut") if on_chains else ("val loss", "escaped")
 tokens = max_iters * batch_size * block_size
