@@ -655,7 +655,8 @@ if mode == "exponent":
         for r in loop_list:
             for lr in lr_list:
                 ps = [p or OWN_EXPONENT[split_scheme(s)[0]] for p in exponent_list]
-                fractions = [stats[s, r, p, lr]["escaped"] / max(1, stats[s, r, p, lr]["runs"]) for p in exponent_list]
+                fractions = [stats[s, r, p, lr]["escaped"] / stats[s, r, p, lr]["runs"] if stats[s, r, p, lr]["runs"]
+                             else float("nan") for p in exponent_list]  # a cell with no runs is no point, not a 0
                 ax.plot(ps, fractions, marker="o", label=f"this repo: {s} R={r} lr {lr:g}")
     ax.plot(list(PAPER_ESCAPED), [n / 5 for n in PAPER_ESCAPED.values()], marker="s", ls="--", color="black",
             label="paper, Appendix C (GPT-2 small, R=3)")
