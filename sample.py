@@ -18,11 +18,11 @@ import time
 import torch
 import torch._dynamo
 
-from common import precision, tune_malloc
+from runtime import precision, tune_malloc
 from configurator import configure, die
 from dataset import get_tokenizer, valid_text
 from model import GPT, KV_CACHES, MAX_LOOPS
-from tasks import require_text
+from lab.tasks import require_text
 
 out_dir = "out"  # the train.py run to sample from: reads out_dir/ckpt.pt
 start = "\n"  # the prompt, or "FILE:path" to read it from a file; "" starts at a document boundary
@@ -38,10 +38,10 @@ exit_threshold = 0.0
 kv_cache = "per_visit"  # per_visit: an entry per unrolled visit (exact); last_loop: one per block (GPT.new_kv_cache)
 seed = 1337
 device = "cuda" if torch.cuda.is_available() else "cpu"  # or cpu, cuda:1, mps
-dtype = "auto"  # auto: what the device computes fastest (common.choose_dtype); or float32, bfloat16, float16
+dtype = "auto"  # auto: what the device computes fastest (runtime.choose_dtype); or float32, bfloat16, float16
 compile = False  # torch.compile the model; pays off only for long samples
 configure(globals(), sys.argv[1:])
-tune_malloc()  # before the first large allocation (common.tune_malloc)
+tune_malloc()  # before the first large allocation (runtime.tune_malloc)
 
 for name, value in (("num_samples", num_samples), ("max_new_tokens", max_new_tokens), ("top_k", top_k),
                     ("n_loop", n_loop)):

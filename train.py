@@ -38,12 +38,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from common import default_peak_flops, precision, rng_states, set_rng_states, tune_malloc
+from runtime import default_peak_flops, precision, rng_states, set_rng_states, tune_malloc
 from configurator import configure, die
 from dataset import EVAL_SEED, TokenWindows, load_meta
 from model import GPT, MAX_LOOPS, GPTConfig, TrainLoops
 from prepare_data import prepare_builtin_if_missing
-from tasks import TASKS, accuracy_by_k, best_shortcut, curriculum_hops, format_by_k, hits_by_k, make_task, shortcuts
+from lab.tasks import TASKS, accuracy_by_k, best_shortcut, curriculum_hops, format_by_k, hits_by_k, make_task, shortcuts
 
 # ---------------------------------------------------------------------------------------------------------------------
 # config; the defaults are a GPT-2-small-wide looped model on OpenWebText (like config/loop_small.py)
@@ -109,13 +109,13 @@ lr_decay_iters = 600000  # the schedule depends on max_iters only through this, 
 min_lr = 6e-5
 # system
 device = "cuda" if torch.cuda.is_available() else "cpu"
-dtype = "auto"           # auto: what the device computes fastest (common.choose_dtype); or float32, bfloat16, float16
+dtype = "auto"           # auto: what the device computes fastest (runtime.choose_dtype); or float32, bfloat16, float16
 compile = None           # torch.compile; None: on CUDA (faster steps), not elsewhere (minutes of compiling on a CPU)
 seed = 1337
 peak_flops = 0.0         # FLOP/s of one device for MFU; 0: a default for the device (see default_peak_flops)
 config = configure(globals(), sys.argv[1:])
 # ---------------------------------------------------------------------------------------------------------------------
-tune_malloc()  # before the first large allocation: freed activations stay in the process (common.tune_malloc)
+tune_malloc()  # before the first large allocation: freed activations stay in the process (runtime.tune_malloc)
 
 if init_from not in ("scratch", "resume"):
     die(f"init_from must be 'scratch' or 'resume', got {init_from!r}")

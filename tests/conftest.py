@@ -12,9 +12,10 @@ import pytest
 import torch
 from tqdm import tqdm
 
-# the scripts are flat modules at the repo root, imported by the tests as they are
+# the lesson's scripts are flat modules at the repo root and the lab a package beside them, imported by the tests as
+# they are; tests/ holds the helpers every test file imports (scripts.py, hub_server.py), also those under tests/lab
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 # One thread per process, in this one and in the scripts the tests start: the models here are tiny, and on 2 shared
 # cores a second thread only adds contention (and waits for the first at every op). In-process results then also

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig, TrainLoops
-from plot import read_metrics
+from lab.plot import read_metrics
 from prepare_data import prepare
 from scripts import Started, run_script
 
@@ -288,7 +288,7 @@ def test_sampled_loop_counts_continue_on_resume_and_evaluations_report_several_d
                    "--loop_min=1", "--loop_max=4", expect_rc=2)
     assert result.stderr == ("error: resuming sampled/ckpt.pt with another model: loop_max=4 (checkpoint: 3); use the "
                              "run's config unchanged\n")
-    result = run_script("plot.py", "sampled", "--png=sampled.png", cwd=workdir)
+    result = run_script("lab/plot.py", "sampled", "--png=sampled.png", cwd=workdir)
     by_loops = records(workdir / "sampled", "eval")[-1]["val_loss_by_loops"]
     depth_table = result.stdout.split("val loss at the last evaluation, by loop count at test time:")[1]
     assert depth_table.split("\n\n")[1].splitlines()[-1] == "| deeploop, n_loop=2 (trained at uniform 1..3) | " + \
@@ -621,7 +621,7 @@ def test_diagnostics_do_not_run_in_float16(workdir, first_half):
 def test_plot_draws_any_number_of_runs(workdir, first_half):
     half_dir, _ = first_half
     train(workdir, "--out_dir=deepnorm", "--residual=deepnorm", "--n_loop=1", "--max_iters=4")
-    result = run_script("plot.py", str(half_dir), "deepnorm", "--png=both.png", cwd=workdir)
+    result = run_script("lab/plot.py", str(half_dir), "deepnorm", "--png=both.png", cwd=workdir)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0] == "wrote both.png: deeploop, n_loop=2; deepnorm, n_loop=1"
     # the probes of both runs' last evaluations, a row each: 2 x 2 visits, or 2 blocks once, and the core's input

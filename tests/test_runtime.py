@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-import common
-from common import (autocast_context, choose_dtype, default_peak_flops, rng_states, set_rng_states, synchronize,
+import runtime
+from runtime import (autocast_context, choose_dtype, default_peak_flops, rng_states, set_rng_states, synchronize,
                     tune_malloc)
 
 
@@ -39,7 +39,7 @@ def timings(monkeypatch):
     def measure(n_embd, rows):
         made_up["calls"].append((n_embd, rows))
         return made_up["ms"][0] / 1e3, made_up["ms"][1] / 1e3, min(rows, 64)
-    monkeypatch.setattr(common, "time_block_matmuls", measure)
+    monkeypatch.setattr(runtime, "time_block_matmuls", measure)
     return made_up
 
 
@@ -81,11 +81,11 @@ def test_a_cpu_resuming_a_gpu_checkpoint_measures(trained_on, timings):
 
 
 def test_the_measurement_is_capped_in_size_and_leaves_seeds_and_threads_alone(monkeypatch):
-    monkeypatch.setattr(common, "MEASURE_FLOPS", 72 * 32 ** 2 * 20)  # 20 rows of width 32
+    monkeypatch.setattr(runtime, "MEASURE_FLOPS", 72 * 32 ** 2 * 20)  # 20 rows of width 32
     threads, state = torch.get_num_threads(), torch.get_rng_state()
-    float32_seconds, bfloat16_seconds, rows = common.time_block_matmuls(32, 2048)
+    float32_seconds, bfloat16_seconds, rows = runtime.time_block_matmuls(32, 2048)
     assert rows == 20 and 0 < float32_seconds < 1 and 0 < bfloat16_seconds < 1
-    assert common.time_block_matmuls(32, 12)[2] == 12  # fewer rows than the cap: as given
+    assert runtime.time_block_matmuls(32, 12)[2] == 12  # fewer rows than the cap: as given
     assert torch.get_num_threads() == threads and torch.equal(torch.get_rng_state(), state)
 
 
@@ -132,7 +132,7 @@ def test_malloc_is_tuned_on_glibc_linux_only(system, libc, applies, monkeypatch)
 MALLINFO = """
 import ctypes, sys
 import torch
-from common import tune_malloc
+from runtime import tune_malloc
 class Mallinfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]

@@ -3,7 +3,7 @@ real runs is drawn in test_train.py)."""
 
 import json
 
-from plot import read_metrics
+from lab.plot import read_metrics
 from scripts import run_script
 
 
@@ -28,7 +28,7 @@ def test_a_run_resumed_with_other_eval_loops_plots_what_each_evaluation_has(tmp_
     records += [dict(type="eval", iter=tokens // 10, tokens=tokens, val_loss=by_loops["1"], loop=dict(kappa=[1.5]),
                      val_loss_by_loops=by_loops) for by_loops, tokens in evals]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    r = run_script("plot.py", str(run), f"--png={tmp_path / 'runs.png'}")
+    r = run_script("lab/plot.py", str(run), f"--png={tmp_path / 'runs.png'}")
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "runs.png").stat().st_size > 10000
     assert "| run | 1 | 4 |" in r.stdout and "| deeploop, n_loop=2 | 2.700 | 2.500 |" in r.stdout
@@ -42,7 +42,7 @@ def test_probes_of_the_stream_get_a_panel_and_a_table_by_visit(tmp_path):
     records = [dict(type="start", iter=0, config=config), dict(type="train", iter=0, tokens=0, loss=3.0),
                dict(type="eval", iter=10, tokens=100, val_loss=2.0, loop=loop, val_loss_by_loops={"2": 2.0})]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    r = run_script("plot.py", str(run), f"--png={tmp_path / 'runs.png'}")
+    r = run_script("lab/plot.py", str(run), f"--png={tmp_path / 'runs.png'}")
     assert r.returncode == 0, r.stderr
     assert "wrote " + str(tmp_path / "runs.png") + ": postln, n_loop=2, 1/1/0 blocks, loop_input=add\n" in r.stdout
     tables = r.stdout.split("token_probe (the stream after each visit of the core; 0: its input) at the last "

@@ -96,7 +96,7 @@ if __name__ == "__main__":
     matplotlib.use("Agg")  # files only, no window
     import matplotlib.pyplot as plt
 
-    from tasks import best_shortcut  # here: it imports torch, which reading metrics does not need
+    from lab.tasks import best_shortcut  # here: it imports torch, which reading metrics does not need
 
     task_runs = any("accuracy" in r for _, _, kinds in runs for r in kinds.get("eval", []))
     probe_runs = any("token_probe" in r.get("loop", {}) for _, _, kinds in runs for r in kinds.get("eval", []))

@@ -54,10 +54,10 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from configurator import configure, die
-from common import precision, tune_malloc
+from runtime import precision, tune_malloc
 from dataset import get_tokenizer
 from model import GPT, MAX_LOOPS
-from tasks import require_text
+from lab.tasks import require_text
 
 out_dir = "out"  # the train.py run to evaluate: reads out_dir/ckpt.pt, writes the results JSON there
 tasks = "arc_easy,arc_challenge,hellaswag,piqa,winogrande,boolq,openbookqa,lambada_openai"  # comma list
@@ -66,7 +66,7 @@ limit = 0  # evaluate only the first `limit` examples of each task (for a quick 
 n_loop = 0  # loops over the stack of blocks at test time; 0 runs the count the model was trained with
 batch_size = 16  # requests per forward pass; more is faster on a GPU
 device = "cuda" if torch.cuda.is_available() else "cpu"  # or cpu, cuda:1, mps
-dtype = "auto"  # auto: what the device computes fastest (common.choose_dtype); scores are float32 anyway
+dtype = "auto"  # auto: what the device computes fastest (runtime.choose_dtype); scores are float32 anyway
 include_path = ""  # a folder of your own task YAMLs, added to the harness's
 seed = 1234  # the harness's seeds (few-shot sampling, and any sampling a task asks for)
 hub_timeout = 3.0  # seconds to wait for the Hugging Face hub before running offline on cached task data
@@ -225,7 +225,7 @@ def results_path(out_dir, task_names, num_fewshot, loops, iter_num, limit):
 # The script proper. It sits under this `if` (unlike sample.py) so that the tests can import the class above.
 if __name__ == "__main__":
     configure(globals(), sys.argv[1:])
-    tune_malloc()  # before the first large allocation (common.tune_malloc)
+    tune_malloc()  # before the first large allocation (runtime.tune_malloc)
     for name, value in (("limit", limit), ("n_loop", n_loop), ("num_fewshot", num_fewshot)):
         if value < 0:
             die(f"--{name} must be >= 0, got {value}")

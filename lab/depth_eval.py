@@ -17,7 +17,7 @@ import torch
 from configurator import configure, die
 from dataset import EVAL_SEED
 from model import GPT, MAX_LOOPS
-from tasks import TASKS, best_shortcut, evaluate, evaluate_exit, format_by_k, make_task, run_precision, shortcuts
+from lab.tasks import TASKS, best_shortcut, evaluate, evaluate_exit, format_by_k, make_task, run_precision, shortcuts
 
 out_dir = "out-depth"  # the train.py run: reads out_dir/ckpt.pt
 loops = ""             # loop counts to evaluate at, comma-separated; "" = the trained count only

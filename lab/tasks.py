@@ -39,7 +39,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from common import precision
+from runtime import precision
 
 SPLITS = ("train", "val")
 POINTERS = ("absolute", "relative")
@@ -194,7 +194,7 @@ def run_precision(checkpoint, device):
     """(dtype, autocast context) to evaluate a train.py checkpoint in as its run evaluated: train.py evaluates under
     the autocast it trains in (bfloat16 on any recent GPU), where an answer that two tokens nearly tie for can go the
     other way than in float32, so only the run's own dtype reproduces its logged accuracy; and on CUDA with TF32
-    matmuls allowed, as train.py allows them (common.precision). The run's dtype on any device: a bfloat16 run from a
+    matmuls allowed, as train.py allows them (runtime.precision). The run's dtype on any device: a bfloat16 run from a
     GPU evaluates in bfloat16 on a CPU too, close to what it logged rather than equal (other kernels round
     differently), and slower where the CPU emulates bfloat16; the task models are small. Checkpoints older than the
     dtype setting trained in float32."""

@@ -31,9 +31,9 @@ import time
 import torch
 
 from configurator import configure, die
-from plot import read_metrics
+from lab.plot import read_metrics
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 out_dir = "out-gpu-check"  # the runs go to out_dir/train and out_dir/torchrun; it must not exist yet
 config_file = "config/paper_small.py"
@@ -80,7 +80,9 @@ def run(name, command):
     """Run one check's command -> its seconds; raises CheckFailed with the command's last lines when it fails."""
     t0 = time.perf_counter()
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        # lab.bench runs as a module of the repository, from whatever folder the check runs in
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH")))))
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         raise CheckFailed(name, command, f"no result after {timeout} s (--timeout)")
     if result.returncode != 0:
@@ -111,7 +113,7 @@ def checkpoint_step(run_dir):
 
 
 python = sys.executable
-train_py, bench_py = os.path.join(ROOT, "train.py"), os.path.join(ROOT, "bench.py")
+train_py, bench = os.path.join(ROOT, "train.py"), ["-m", "lab.bench"]
 train_dir, torchrun_dir = os.path.join(out_dir, "train"), os.path.join(out_dir, "torchrun")
 machine = torch.cuda.get_device_name(device) if device.startswith("cuda") else f"{device} ({os.cpu_count()} cores)"
 print(f"gpu_check: {config_file} R={n_loop}{' (dry: tiny model)' if dry else ''}, {dtype}"
@@ -172,7 +174,7 @@ def generate_check():
     model_args = torch.load(os.path.join(train_dir, "ckpt.pt"), map_location="cpu", weights_only=True)["model_args"]
     # the checkpoint's model, less what does not change a decode step's speed
     model = [f"--{k}={v}" for k, v in model_args.items() if k not in ("dropout", "bias", "coefficient_loops")]
-    seconds, stdout = run("generate", [python, bench_py, *model, f"--device={device}", f"--dtype={dtype}",
+    seconds, stdout = run("generate", [python, *bench, *model, f"--device={device}", f"--dtype={dtype}",
                                        "--compile=False", "--batch_size=8", "--warmup_steps=0", "--timed_steps=1",
                                        f"--gen_tokens={gen_tokens}", "--gen_prompt_len=16"])
     m = re.search(r"x 8 sequences: cached [0-9.]+ ms/step \(([0-9.]+) tokens/s\), uncached [0-9.]+ ms/step "

@@ -22,7 +22,7 @@ from torch.nn import functional as F
 from configurator import configure, die
 from dataset import EVAL_SEED, TokenWindows
 from model import GPT, KV_CACHES
-from tasks import TASKS, accuracy_by_k, format_by_k, hits_by_k, make_task
+from lab.tasks import TASKS, accuracy_by_k, format_by_k, hits_by_k, make_task
 
 out_dir = "out-smoke-sampled"  # the train.py run: reads out_dir/ckpt.pt
 loops = "1,2,3,4,6,8"  # fixed loop counts, comma-separated

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
-from tasks import (PointerChains, accuracy_by_k, best_shortcut, curriculum_hops, evaluate, hits_by_k, make_task,
+from lab.tasks import (PointerChains, accuracy_by_k, best_shortcut, curriculum_hops, evaluate, hits_by_k, make_task,
                    require_text, run_precision, shortcuts)
 
 V, K, T = 8, 6, 24

@@ -18,7 +18,7 @@ GENERATE = rf"generate: 8 new tokens x (\d) sequences?: cached {NUM} ms/step \({
 def bench(*args):
     """bench.py in this process; the runs that compile are EARLY below, in processes of their own (dynamo's caches
     and limits would outlive them here)"""
-    return run_script("bench.py", *TINY, *args)
+    return run_script("lab/bench.py", *TINY, *args)
 
 
 def rows(lines):
@@ -41,7 +41,7 @@ def test_bench_prints_throughput_mfu_and_generation_speed_for_both_depths():
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     # Linux with glibc here
-    assert re.fullmatch(rf"allocator: glibc malloc keeps freed memory \(common.tune_malloc\); load average {NUM} on "
+    assert re.fullmatch(rf"allocator: glibc malloc keeps freed memory \(runtime.tune_malloc\); load average {NUM} on "
                         r"\d+ CPUs, torch threads 1", lines[0]), lines[0]
     assert lines[1] == "dtype float32: as set"
     found = rows(lines)
@@ -67,14 +67,13 @@ def logged(self, *args, **kwargs):
     print("(a model is built)", flush=True)
     init(self, *args, **kwargs)
 model.GPT.__init__ = logged
-sys.argv[0] = "bench.py"
-runpy.run_path("bench.py", run_name="__main__")
+runpy.run_module("lab.bench", run_name="__main__", alter_sys=True)
 """
 # started with the session (conftest.py): compiling takes 5-20 s
 EARLY = {"test_compiled_depths_with_generation_stay_within_the_recompile_limit": lambda folder: [[
-    "bench.py", *TINY, "--compare_depths=True", "--compile=True", "--compile_backend=eager", "--dtype=float32"]],
+    "-m", "lab.bench", *TINY, "--compare_depths=True", "--compile=True", "--compile_backend=eager", "--dtype=float32"]],
     "test_compare_dtypes_prints_three_rows_and_their_ratios": lambda folder: [[
-    "bench.py", *TINY, "--compare_dtypes=True", "--compile_backend=eager", "--warmup_steps=0"]],
+    "-m", "lab.bench", *TINY, "--compare_dtypes=True", "--compile_backend=eager", "--warmup_steps=0"]],
     "test_compare_dtypes_prints_each_precision_before_the_next_and_cuts_steps_to_its_share": lambda folder: [[
     "-c", BUILDS_LOGGED, *TINY, "--compare_dtypes=True", "--compile_backend=eager", "--warmup_steps=2",
     "--compare_seconds=0"]]}

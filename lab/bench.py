@@ -5,7 +5,7 @@ KV cache for 1 and batch_size sequences, the cached step against its memory floo
     python bench.py                                        # 2 blocks x 4 loops, n_embd 256, block_size 256, batch 8
     python bench.py --compare_dtypes=True                  # float32, bfloat16, bfloat16 compiled: training, ratios
     python bench.py --compare_depths=True --gen_tokens=0   # and 8 blocks x 1 loop, same FLOPs: the ratio
-    python bench.py --tuned_malloc=False                   # glibc's default allocator policy (see common.tune_malloc)
+    python bench.py --tuned_malloc=False                   # glibc's default allocator policy (see runtime.tune_malloc)
     python bench.py --compare_caches=True                  # kv_cache per_visit against last_loop; adaptive exit's test
     python bench.py --compile=True --n_layer=6 --n_loop=2 --n_head=12 --n_embd=768 --block_size=1024 --batch_size=12
                                                            # config/loop_small.py's model
@@ -33,7 +33,7 @@ import time
 import torch
 import torch._dynamo
 
-from common import autocast_context, choose_dtype, default_peak_flops, synchronize, tune_malloc
+from runtime import autocast_context, choose_dtype, default_peak_flops, synchronize, tune_malloc
 from configurator import configure, die
 from model import GPT, GPTConfig, KV_CACHES
 
@@ -65,11 +65,11 @@ compare_seconds = 60.0  # about how long compare_dtypes takes in all, a third fo
 # also decode with each kv_cache layout (GPT.new_kv_cache): the bytes the cache allocates and the cached step's time;
 # and the cost of adaptive exit's test after every loop (GPT.exit_logits, with a threshold that no loop passes)
 compare_caches = False
-tuned_malloc = True  # False keeps glibc's default allocator policy, to measure what common.tune_malloc gains
+tuned_malloc = True  # False keeps glibc's default allocator policy, to measure what runtime.tune_malloc gains
 peak_flops = 0.0  # for MFU; 0 picks a default for the device (default_peak_flops below)
 seed = 1337
 device = "cuda" if torch.cuda.is_available() else "cpu"  # or cpu, cuda:1, mps
-dtype = "auto"  # auto: the fastest precision the device computes natively (common.choose_dtype); or float32, ...
+dtype = "auto"  # auto: the fastest precision the device computes natively (runtime.choose_dtype); or float32, ...
 compile = None  # torch.compile the model (warm-up steps absorb the compilation); None: on CUDA only
 compile_backend = "inductor"  # torch.compile's backend; "eager" checks the graph capture without the compiler's time
 configure(globals(), sys.argv[1:])
@@ -78,7 +78,7 @@ if (warmup_steps < 0 or timed_steps < 1 or gen_tokens < 0 or not 1 <= gen_prompt
         or compare_seconds < 0):
     die("need --warmup_steps >= 0, --timed_steps >= 1, --gen_tokens >= 0, 1 <= --gen_prompt_len <= block_size and "
         "--compare_seconds >= 0")
-malloc_line = "allocator: glibc malloc keeps freed memory (common.tune_malloc)" if tuned_malloc and tune_malloc() \
+malloc_line = "allocator: glibc malloc keeps freed memory (runtime.tune_malloc)" if tuned_malloc and tune_malloc() \
     else "allocator: the C library's defaults"
 device_type = device.split(":")[0]
 if compile is None:

@@ -11,18 +11,18 @@ DRY = ["--dry=True", "--device=cpu", "--dtype=float32", "--compile=False", "--da
 
 
 def gpu_check(cwd, *args):
-    return run_script("gpu_check.py", *DRY, *args, cwd=cwd)  # its runs of train.py and torchrun are subprocesses
+    return run_script("lab/gpu_check.py", *DRY, *args, cwd=cwd)  # its runs of train.py and torchrun are subprocesses
 
 
 def broken_config(folder):
     (folder / "broken.py").write_text('residual = "deepnet"\n')
-    return [["gpu_check.py", *DRY, f"--config_file={folder / 'broken.py'}", "--nproc=1",
+    return [["-m", "lab.gpu_check", *DRY, f"--config_file={folder / 'broken.py'}", "--nproc=1",
              f"--out_dir={folder / 'out-gpu-check'}"]]
 
 
 # started with the session (conftest.py): their train.py, bench.py and torchrun processes take 5-30 s
 EARLY = {"test_dry_run_passes_every_check_and_refuses_to_write_over_it":
-         lambda folder: [["gpu_check.py", *DRY, "--nproc=2", f"--out_dir={folder / 'out-gpu-check'}"]],
+         lambda folder: [["-m", "lab.gpu_check", *DRY, "--nproc=2", f"--out_dir={folder / 'out-gpu-check'}"]],
          "test_a_failing_check_fails_the_script_and_the_checks_that_need_it": broken_config}
 
 

@@ -9,10 +9,10 @@ import torch
 
 from dataset import EVAL_SEED
 from scripts import run_script
-from tasks import make_task
+from lab.tasks import make_task
 from test_model import agree_after
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from scripts import ROOT
 
 
 def run(script, *args, cwd):
@@ -32,7 +32,7 @@ def depth_run(tmp_path_factory):
 def test_depth_eval_reproduces_the_runs_accuracy_and_shows_examples(depth_run):
     tmp_path = depth_run
     last = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
-    r = run("depth_eval.py", "--out_dir=run", "--loops=1,2,3", "--examples=1", cwd=tmp_path)
+    r = run("lab/depth_eval.py", "--out_dir=run", "--loops=1,2,3", "--examples=1", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     trained = next(line for line in lines if "2 loops (trained): " in line)
@@ -49,7 +49,7 @@ def test_depth_eval_reproduces_the_runs_accuracy_and_shows_examples(depth_run):
 
 @pytest.mark.parametrize("loops", ["1,5000", "0"])
 def test_a_loop_count_out_of_range_is_a_one_line_error(loops, depth_run):
-    r = run("depth_eval.py", "--out_dir=run", f"--loops={loops}", cwd=depth_run)
+    r = run("lab/depth_eval.py", "--out_dir=run", f"--loops={loops}", cwd=depth_run)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr == f"error: loop counts must be from 1 to 1024 (model.MAX_LOOPS), got {loops!r}\n"
 
@@ -66,12 +66,12 @@ def test_a_bfloat16_run_is_evaluated_in_bfloat16_and_a_negative_examples_count_i
             "--n_loop=2", "--n_embd=32", "--dtype=bfloat16", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     last = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
-    r = run("depth_eval.py", "--out_dir=run", "--examples=0", cwd=tmp_path)
+    r = run("lab/depth_eval.py", "--out_dir=run", "--examples=0", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[0].endswith(" over 32 sequences, in bfloat16 as the run evaluated")
     assert trained_line(r.stdout) == " ".join(f"{last['accuracy'][k]:.2f}"
                                               for k in sorted(last["accuracy"], key=int))
-    r = run("depth_eval.py", "--out_dir=run", "--examples=-1", cwd=tmp_path)  # not every answer there is
+    r = run("lab/depth_eval.py", "--out_dir=run", "--examples=-1", cwd=tmp_path)  # not every answer there is
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr == "error: --examples must be >= 0 (answers shown at each k; 0: none), got -1\n"
 
@@ -80,7 +80,7 @@ def test_adaptive_exit_rows_and_the_loops_they_report(tmp_path, monkeypatch):
     r = run("train.py", os.path.join(ROOT, "config", "depth_cpu.py"), "--out_dir=run", "--max_iters=3",
             "--eval_interval=3", "--eval_iters=2", "--batch_size=8", "--n_loop=2", "--n_embd=32", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    r = run("depth_eval.py", "--out_dir=run", "--loops=1,3", "--examples=0", "--exit_thresholds=0,1e30", cwd=tmp_path)
+    r = run("lab/depth_eval.py", "--out_dir=run", "--loops=1,3", "--examples=0", "--exit_thresholds=0,1e30", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     rows = {line.split(":")[0].strip(): line.split(": ", 1)[1] for line in r.stdout.splitlines()[2:]}
     # threshold 0 is off (every answer at the most loops, 3); one that every KL passes is one loop
@@ -93,7 +93,7 @@ def test_adaptive_exit_rows_and_the_loops_they_report(tmp_path, monkeypatch):
     # a model whose loops agree after 1, 2 or 3 loops by position: the loops by k are those of its answers' positions
     m = 1 + torch.arange(16) % 3
     agree_after(monkeypatch, m)
-    r = run("depth_eval.py", "--out_dir=run", "--loops=8", "--examples=0", "--exit_thresholds=1e-9", cwd=tmp_path)
+    r = run("lab/depth_eval.py", "--out_dir=run", "--loops=8", "--examples=0", "--exit_thresholds=1e-9", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     task = make_task(torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)["config"], "val", EVAL_SEED)
     x, y = zip(*(task.batch(index, 8) for index in range(2)))
@@ -105,5 +105,5 @@ def test_adaptive_exit_rows_and_the_loops_they_report(tmp_path, monkeypatch):
     assert line.endswith(f"; loops by k {' '.join(f'{v:.2f}' for v in means)}, sd {' '.join(f'{v:.2f}' for v in sds)}"
                          f"; mean {loops[y >= 0].mean():.2f} of at most 8")
 
-    r = run("depth_eval.py", "--out_dir=run", "--exit_thresholds=1e-3,-1", cwd=tmp_path)
+    r = run("lab/depth_eval.py", "--out_dir=run", "--exit_thresholds=1e-3,-1", cwd=tmp_path)
     assert (r.returncode, r.stderr) == (2, "error: exit thresholds must be >= 0 (0 = off), got '1e-3,-1'\n")

@@ -6,7 +6,7 @@ import os
 
 from scripts import run_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from scripts import ROOT
 
 
 def rows(stdout):
@@ -29,7 +29,7 @@ def test_exit_eval_rows_agree_where_they_must_and_the_figure_is_drawn(tmp_path):
     r = run_script("train.py", os.path.join(ROOT, "config", "depth_sampled_cpu.py"), "--out_dir=run", "--max_iters=3",
                    "--eval_interval=3", "--eval_iters=2", "--batch_size=8", "--n_embd=32", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    r = run_script("exit_eval.py", "--out_dir=run", "--loops=1,3", "--exit_thresholds=0,1e30,1e-2", "--cached_batches=1",
+    r = run_script("lab/exit_eval.py", "--out_dir=run", "--loops=1,3", "--exit_thresholds=0,1e30,1e-2", "--cached_batches=1",
                    "--png=exit.png", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     parallel, cached = rows(r.stdout)
@@ -48,15 +48,15 @@ def test_exit_eval_rows_agree_where_they_must_and_the_figure_is_drawn(tmp_path):
 
 
 def test_bad_settings_are_one_line_errors(tmp_path):
-    r = run_script("exit_eval.py", "--out_dir=nothing", cwd=tmp_path)
+    r = run_script("lab/exit_eval.py", "--out_dir=nothing", cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("error: no checkpoint at nothing/ckpt.pt")
     r = run_script("train.py", os.path.join(ROOT, "config", "depth_cpu.py"), "--out_dir=run", "--max_iters=1",
                    "--eval_interval=1", "--eval_iters=1", "--batch_size=4", "--n_embd=32", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     for setting in ("--exit_thresholds=-1", "--max_loops=-2", "--loops=0,2"):
-        r = run_script("exit_eval.py", "--out_dir=run", setting, cwd=tmp_path)
+        r = run_script("lab/exit_eval.py", "--out_dir=run", setting, cwd=tmp_path)
         assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, (setting, r.stderr)
         assert r.stderr.startswith("error: need loops >= 1, exit_thresholds >= 0 (0 = off), max_loops >= 0")
-    r = run_script("exit_eval.py", "--out_dir=run", "--loops=two", cwd=tmp_path)
+    r = run_script("lab/exit_eval.py", "--out_dir=run", "--loops=two", cwd=tmp_path)
     assert r.stderr == ("error: loops must be comma-separated ints and exit_thresholds numbers, got 'two' and "
                         "'1e-3,1e-2,1e-1'\n")

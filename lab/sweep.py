@@ -45,11 +45,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from common import choose_dtype
+from runtime import choose_dtype
 from configurator import configure, die
 from dataset import load_meta, read_shard
 from model import OWN_EXPONENT, RESIDUALS
-from plot import read_metrics
+from lab.plot import read_metrics
 from prepare_data import prepare_builtin_if_missing
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -75,7 +75,7 @@ batch_size = 8
 max_iters = 400           # the token budget: max_iters * batch_size * block_size tokens per run
 warmup_iters = 100        # Post-LN needs a real warmup: with 30, every Post-LN scheme stalled at unigram level
 eval_iters = 20
-dtype = "auto"            # one precision for every run; auto: measured once here (common.choose_dtype)
+dtype = "auto"            # one precision for every run; auto: measured once here (runtime.choose_dtype)
 given = set()             # the settings that config files and --key=value overrides set (configurator)
 config = configure(globals(), sys.argv[1:], given)
 # -----------------------------------------------------------------------------------------------------------------
@@ -273,7 +273,7 @@ def depth_result(run_dir, records, final):
     import torch
     from model import GPT
     from dataset import EVAL_SEED
-    from tasks import best_shortcut, evaluate, make_task, run_precision
+    from lab.tasks import best_shortcut, evaluate, make_task, run_precision
     start = [r for r in records if r["type"] == "start"][-1]
     result = dict(accuracy=final["accuracy"] if final else None, shortcut=best_shortcut(start["shortcuts"]),
                   test_time={})

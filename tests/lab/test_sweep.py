@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from dataset import read_shard
-from plot import read_metrics
+from lab.plot import read_metrics
 from prepare_data import prepare_builtin_if_missing
 from scripts import run_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from scripts import ROOT
 MARGIN = 0.1
 
 
@@ -26,7 +26,7 @@ def floor():
 
 
 def sweep(*args):
-    return run_script("sweep.py", *args)  # its train.py runs are subprocesses still
+    return run_script("lab/sweep.py", *args)  # its train.py runs are subprocesses still
 
 
 def write_runs(out, runs):
@@ -336,10 +336,10 @@ TINY_DEPTH = ["--mode=depth", "--schemes=preln", "--loops=2", "--seeds=1337", "-
               "--max_iters=80", "--warmup_iters=2", "--eval_iters=4", "--batch_size=8", "--n_embd=32"]
 # started with the session (conftest.py): its four train.py processes take ~10 s; the depth task's two, ~15 s
 EARLY = {"test_a_tiny_real_sweep_records_kappa_and_resumes":
-         lambda folder: [["sweep.py", f"--out_dir={folder / 'real'}", *TINY_REAL]],
+         lambda folder: [["-m", "lab.sweep", f"--out_dir={folder / 'real'}", *TINY_REAL]],
          "test_depth_task_runs_are_tested_in_their_precision_measured_at_their_shapes": lambda folder: [
-             ["sweep.py", f"--out_dir={folder / 'bfloat16'}", *TINY_DEPTH, "--dtype=bfloat16"],
-             ["sweep.py", f"--out_dir={folder / 'auto'}", *TINY_DEPTH, "--max_iters=2", "--batch_size=4"]]}
+             ["-m", "lab.sweep", f"--out_dir={folder / 'bfloat16'}", *TINY_DEPTH, "--dtype=bfloat16"],
+             ["-m", "lab.sweep", f"--out_dir={folder / 'auto'}", *TINY_DEPTH, "--max_iters=2", "--batch_size=4"]]}
 
 
 def test_a_tiny_real_sweep_records_kappa_and_resumes(early):

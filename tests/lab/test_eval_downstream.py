@@ -14,12 +14,12 @@ from lm_eval.api.instance import Instance
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from torch.nn import functional as F
 
-import eval_downstream as ed
+import lab.eval_downstream as ed
 from model import GPT, GPTConfig
 from dataset import get_tokenizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "eval_downstream.py")
+from scripts import ROOT
+SCRIPT = os.path.join(ROOT, "lab", "eval_downstream.py")
 DEMO = os.path.join(ROOT, "docs", "eval_demo")
 ENC = get_tokenizer("bytes")
 SENTENCE = "a quick brown fox jumps over lazy dogs."  # what the trained fixture model knows by heart
@@ -300,8 +300,8 @@ def test_task_data_that_cannot_load_offline_is_a_one_line_error(trained, tmp_pat
     out_dir, _ = trained
     before = sorted(os.listdir(out_dir))
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "hf"))
-    result = subprocess.run([sys.executable, SCRIPT, f"--out_dir={out_dir}", f"--tasks={absent_task(tmp_path)}",
-                             "--device=cpu"], capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "lab.eval_downstream", f"--out_dir={out_dir}", f"--tasks={absent_task(tmp_path)}",
+                             "--device=cpu"], capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
     line = one_line_error(result.returncode, result.stdout, result.stderr)
     assert line.startswith("error: cannot load the task data (") and "someone/absent_dataset" in line
     assert line.endswith("; run once with network access, or check the task's dataset_path and data_files")
