@@ -21,7 +21,8 @@ import torch._dynamo
 from runtime import precision, tune_malloc
 from configurator import configure, die
 from dataset import get_tokenizer, valid_text
-from model import GPT, KV_CACHES, MAX_LOOPS
+from model import GPT, MAX_LOOPS
+from lab import decode
 from lab.tasks import require_text
 
 out_dir = "out"  # the train.py run to sample from: reads out_dir/ckpt.pt
@@ -32,10 +33,10 @@ temperature = 0.8  # 1.0 samples the model's distribution; lower is more conserv
 top_k = 200  # sample only among the top_k most likely tokens; 0 keeps them all
 n_loop = 0  # loops over the stack of blocks at test time; 0 runs the count the model was trained with
 use_cache = True  # False recomputes the full context for every new token (for comparison; same output)
-# > 0: adaptive exit (model.GPT.exit_logits): a token stops looping at the first loop whose next-token distribution is
+# > 0: adaptive exit (lab.decode.exit_logits): a token stops looping at the first loop whose next-token distribution is
 # within this KL of the previous loop's; n_loop is then the most loops a token runs. The loops used go to stderr.
 exit_threshold = 0.0
-kv_cache = "per_visit"  # per_visit: an entry per unrolled visit (exact); last_loop: one per block (GPT.new_kv_cache)
+kv_cache = "per_visit"  # the cache layout: per_visit, an entry per unrolled visit (exact); last_loop, one per block
 seed = 1337
 device = "cuda" if torch.cuda.is_available() else "cpu"  # or cpu, cuda:1, mps
 dtype = "auto"  # auto: what the device computes fastest (runtime.choose_dtype); or float32, bfloat16, float16
@@ -54,8 +55,8 @@ if temperature <= 0:
     die(f"--temperature must be > 0, got {temperature} (use --top_k=1 for greedy decoding)")
 if not exit_threshold >= 0:
     die(f"--exit_threshold must be >= 0 (0 = off), got {exit_threshold}")
-if kv_cache not in KV_CACHES:
-    die(f"--kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
+if kv_cache not in decode.KV_CACHES:
+    die(f"--kv_cache must be one of {', '.join(decode.KV_CACHES)}, got {kv_cache!r}")
 if not use_cache and (exit_threshold or kv_cache != "per_visit"):
     die("--exit_threshold and --kv_cache=last_loop work on the KV cache: drop --use_cache=False")
 
@@ -81,9 +82,9 @@ try:
 except (ValueError, FileNotFoundError) as e:
     die(str(e))
 if compile:
-    model.compile()  # in place, so that generate's calls to self(...) run the compiled forward
-    # the prompt and the decode step are a few graphs per sample length; past the limit torch would silently run
-    # uncompiled, so hitting it is an error
+    model.compile_blocks()  # in place: every pass runs them, adaptive exit's too
+    # the prompt and the decode step are a few graphs per block; past the limit torch would silently run uncompiled,
+    # so hitting it is an error
     torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 start = valid_text(start)  # a lone surrogate (--start='"\ud800"') becomes U+FFFD, as in the tokenizers
@@ -92,12 +93,24 @@ x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, :]
 
 cfg = model.config
 loops = n_loop or cfg.n_loop
+if exit_threshold and loops == 1:
+    print("warning: adaptive exit at most 1 loop: every token runs that one loop; set --n_loop above 1",
+          file=sys.stderr)
 print(f"{out_dir}/ckpt.pt: {cfg.n_layer} blocks x {cfg.n_loop} loops trained, sampling with "
       f"{f'adaptive exit at KL {exit_threshold:g}, at most {loops}' if exit_threshold else loops} loops "
       f"(unrolled depth {cfg.depth(loops)}), kv_cache {kv_cache}, tokenizer {checkpoint['tokenizer']}, "
       f"iter {checkpoint['iter_num']}, "
       f"dtype {dtype} ({dtype_reason})", file=sys.stderr)
 del checkpoint  # the optimizer state in it is not needed for sampling
+
+
+def stream():
+    """The sampled tokens one at a time: the model's own generation, or the lab's with adaptive exit or last_loop."""
+    if exit_threshold or kv_cache != "per_visit":
+        return decode.generate_stream(model, x, max_new_tokens, temperature, top_k or None, loops, enc.n_vocab,
+                                      exit_threshold, kv_cache, loops_used)
+    return model.generate_stream(x, max_new_tokens, temperature, top_k or None, loops, use_cache, enc.n_vocab)
+
 
 torch.manual_seed(seed)  # seeded here, so that the samples depend on the seed alone, not on how the model was built
 new_tokens, t0, loops_used = 0, time.time(), []
@@ -108,8 +121,7 @@ for k in range(num_samples):
         # Ids from enc.n_vocab up are padding (e.g. GPT-2's 50257 rounded up to 50304 for faster matmuls). They never
         # occur as targets, yet a briefly trained model still gives them some probability, and the tokenizer cannot
         # decode them: vocab_size_limit keeps them from being sampled.
-        for token in model.generate_stream(x, max_new_tokens, temperature, top_k or None, loops, use_cache,
-                                           enc.n_vocab, exit_threshold, kv_cache, loops_used):
+        for token in stream():
             ids.append(token.item())
             # Decode everything generated so far and print what is new. A token can end in the middle of a UTF-8
             # character (always possible with the bytes tokenizer, sometimes with GPT-2's byte-level BPE); the

@@ -41,7 +41,10 @@ from tqdm import tqdm
 from runtime import default_peak_flops, precision, rng_states, set_rng_states, tune_malloc
 from configurator import configure, die
 from dataset import EVAL_SEED, TokenWindows, load_meta
-from model import GPT, MAX_LOOPS, GPTConfig, TrainLoops
+from model import GPT, MAX_LOOPS, GPTConfig
+from lab.flops import flops_per_token
+from lab.loops import TrainLoops, TruncatedBackprop
+from lab.probes import loop_diagnostics as stream_diagnostics
 from prepare_data import prepare_builtin_if_missing
 from lab.tasks import TASKS, accuracy_by_k, best_shortcut, curriculum_hops, format_by_k, hits_by_k, make_task, shortcuts
 
@@ -85,7 +88,7 @@ norm_branch_input = False  # Post-LN blocks as x = Norm(alpha * x + f(Norm(x))),
 n_prelude = 0            # blocks run once before the looped core, n_coda once after it (Huginn's prelude and coda):
 n_coda = 0               # unrolled depth n_prelude + n_layer * n_loop + n_coda; loop counts below count core loops
 loop_input = "none"      # none | add | concat (Huginn's adapter): the embedded input fed into every loop (LoopInput)
-# Loop counts for test-time depth (model.TrainLoops). n_loop stays the count of evaluations and of sample.py
+# Loop counts for test-time depth (lab.loops.TrainLoops). n_loop stays the count of evaluations and of sample.py
 loop_sampling = "fixed"  # fixed: every step runs n_loop; uniform: loop_min..loop_max; lognormal_poisson: mean loop_mean
 loop_min = 0
 loop_max = 0
@@ -336,8 +339,9 @@ if compile:
     raw_model.compile_blocks()  # in place, every block and the loss: one graph serves every loop count
 model = raw_model  # evaluation runs this one: no DDP collectives
 # backprop_loops leaves the position embedding without a gradient, which DDP must be told about
-ddp_model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None,
-                find_unused_parameters=backprop_loops > 0) if ddp else model
+train_model = TruncatedBackprop(model, backprop_loops) if backprop_loops else model
+ddp_model = DDP(train_model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None,
+                find_unused_parameters=backprop_loops > 0) if ddp else train_model
 
 
 def gather(obj):
@@ -421,7 +425,7 @@ def loop_diagnostics():
     x, y = to_device(train_eval_data.batch(0, batch_size))
     raw_model.eval()  # no dropout: the diagnostics are deterministic and draw no random numbers
     with autocast if dtype != "float16" else nullcontext(), torch.compiler.set_stance("force_eager"):
-        diagnostics = raw_model.loop_diagnostics(x, y)
+        diagnostics = stream_diagnostics(raw_model, x, y)
     raw_model.train()
     return diagnostics
 
@@ -530,6 +534,9 @@ if master:
           f"({meta['tokenizer']}), {tokens_per_iter:,} tokens per step on {world_size} x {device} in {dtype}, "
           f"MFU against {peak_flops:.3g} FLOP/s per device ({peak_source})")
     print(f"dtype {dtype}: {dtype_reason}")
+    if batch_size < 2:
+        print("note: batch_size=1 gives the stream probes no second sequence to score on: evaluations record no "
+              "token_probe or position_probe")
     if loop_sampling != "fixed" or backprop_loops:
         print(f"training loop counts: {loop_sampling}, mean {train_loops.mean or n_loop:g}"
               f"{f', backprop through the last {backprop_loops}' if backprop_loops else ''}; evaluation at {n_loop}")
@@ -639,7 +646,7 @@ while True:
         with ddp_model.no_sync() if ddp and micro < accum_steps - 1 else nullcontext():
             with autocast:
                 # not holding on to the (B, T, vocab) logits: backward needs less memory
-                loss = ddp_model(x, y, n_loop=step_loops, backprop_loops=backprop_loops)[1]
+                loss = ddp_model(x, y, n_loop=step_loops)[1]
             scaler.scale(loss / accum_steps).backward()
         loss_sum += loss.detach().float()
     pending_losses.append((iter_num, loss_sum))
@@ -649,9 +656,9 @@ while True:
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
 
-    # MFU counts the loops each step ran, the backward pass over its tracked loops only (model.flops_per_token)
+    # MFU counts the loops each step ran, the backward pass over its tracked loops only (lab.flops)
     window_steps += 1
-    window_flops += raw_model.flops_per_token(step_loops, backprop_loops) * tokens_per_iter
+    window_flops += flops_per_token(raw_model, step_loops, backprop_loops) * tokens_per_iter
     if iter_num % log_interval == 0 or len(pending_losses) >= 100:  # 100: the NaN guard looks at least that often
         loss_value = read_losses()[iter_num]
         if master and iter_num % log_interval == 0:

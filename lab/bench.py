@@ -20,7 +20,7 @@ its steps are that much slower; torch.compile's compilation, which on a CPU can 
 Generation: gen_tokens new tokens after a gen_prompt_len-token prompt, for 1 sequence and for batch_size
 sequences, once with the KV cache and once recomputing the context at every step; compiled models generate compiled.
 A cached decode step is memory-bound: its floor is the bytes of weights and cache it must read
-(GPT.decode_step_bytes, at the mean cache length of the generation) over the memory's read bandwidth, measured here.
+(lab.flops.decode_step_bytes, at the mean cache length of the generation) over the memory's read bandwidth, measured here.
 The figures are wall-clock: the first line says how busy the machine was (its load average).
 """
 
@@ -35,7 +35,9 @@ import torch._dynamo
 
 from runtime import autocast_context, choose_dtype, default_peak_flops, synchronize, tune_malloc
 from configurator import configure, die
-from model import GPT, GPTConfig, KV_CACHES
+from model import GPT, GPTConfig
+from lab.decode import KV_CACHES, exit_logits, generate_stream, new_caches
+from lab.flops import decode_step_bytes, flops_per_token
 
 # model
 n_layer = 2
@@ -62,8 +64,8 @@ gen_prompt_len = 16  # keep gen_prompt_len + gen_tokens <= block_size, or the ca
 compare_depths = False  # also bench n_layer * n_loop blocks x 1 loop (same unrolled FLOPs) and print the ratio
 compare_dtypes = False  # bench float32, bfloat16 and bfloat16 compiled side by side (instead of dtype and compile)
 compare_seconds = 60.0  # about how long compare_dtypes takes in all, a third for each precision (see above)
-# also decode with each kv_cache layout (GPT.new_kv_cache): the bytes the cache allocates and the cached step's time;
-# and the cost of adaptive exit's test after every loop (GPT.exit_logits, with a threshold that no loop passes)
+# also decode with each kv_cache layout (lab.decode.new_caches): the bytes the cache allocates and the cached step's time;
+# and the cost of adaptive exit's test after every loop (lab.decode.exit_logits, with a threshold that no loop passes)
 compare_caches = False
 tuned_malloc = True  # False keeps glibc's default allocator policy, to measure what runtime.tune_malloc gains
 peak_flops = 0.0  # for MFU; 0 picks a default for the device (default_peak_flops below)
@@ -112,7 +114,7 @@ def build(n_layer, n_loop, dtype, compile):
             f"block_size {block_size}, {model.num_params() / 1e6:.2f}M params, {residual}, {device} {dtype}"
             f"{', compiled' if compile else ''}")
     if compile:
-        model.compile(backend=compile_backend)  # in place, so that generate's calls to self(...) run compiled too
+        model.compile_blocks(backend=compile_backend)  # in place: every pass runs them
     optimizer = model.configure_optimizers(weight_decay=0.1, learning_rate=6e-4, betas=(0.9, 0.95),
                                            device_type=device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=(dtype == "float16"))  # float16 needs loss scaling
@@ -157,14 +159,23 @@ def train_steps(runs, x, y, share):
 
 
 
+def generate(model, prompt, tokens, use_cache, kv_cache="per_visit", n_loop=None):
+    """tokens new tokens for each of the prompt's sequences, through the model's generation or, for another cache
+    layout, the lab's."""
+    if kv_cache == "per_visit":
+        return model.generate(prompt, tokens, top_k=200, n_loop=n_loop, use_cache=use_cache)
+    with torch.no_grad():
+        return list(generate_stream(model, prompt, tokens, top_k=200, n_loop=n_loop, kv_cache=kv_cache))
+
+
 def generation_step(model, ctx, prompt, use_cache, **kw):
-    """Seconds per step of model.generate (one new token for each of the prompt's sequences); kw: generate's."""
+    """Seconds per step of generation (one new token for each of the prompt's sequences); kw: generate's."""
     with ctx:
         # warm-up; 4 tokens reach the steady state of both paths, including torch.compile's recompiles
-        model.generate(prompt, 4, top_k=200, use_cache=use_cache, **kw)
+        generate(model, prompt, 4, use_cache, **kw)
         synchronize(device)
         t0 = time.perf_counter()
-        model.generate(prompt, gen_tokens, top_k=200, use_cache=use_cache, **kw)
+        generate(model, prompt, gen_tokens, use_cache, **kw)
         synchronize(device)
     return (time.perf_counter() - t0) / gen_tokens
 
@@ -172,10 +183,10 @@ def generation_step(model, ctx, prompt, use_cache, **kw):
 def cache_bytes(model, ctx, prompt, kv_cache):
     """Bytes of the buffers that a cache of this layout allocates for the prompt's sequences (room for block_size
     positions each)."""
-    cache = model.new_kv_cache(kv_cache=kv_cache)
+    caches = new_caches(model, kv_cache=kv_cache)
     with ctx, torch.no_grad():
-        model(prompt, kv_cache=cache)
-    return sum(c.k.nbytes + c.v.nbytes for c in {id(c.store): c.store for c in cache}.values())
+        model(prompt, caches=caches)
+    return sum(k.nbytes + v.nbytes for k, v in {id(c.k): (c.k, c.v) for c in caches}.values())
 
 
 def compare_caches_lines(model, ctx, prompt):
@@ -196,17 +207,16 @@ def compare_caches_lines(model, ctx, prompt):
 
 
 def exit_test_step(model, ctx, prompt):
-    """Seconds per cached greedy decode step of GPT.exit_logits at threshold 0, which no KL passes: every loop, each
-    followed by the test (generate's adaptive exit, without its sampling), with generate's copy of the output layer."""
-    head = model.lm_head.weight.t().contiguous()
+    """Seconds per cached greedy decode step of lab.decode.exit_logits at threshold 0, which no KL passes: every loop,
+    each followed by the test (generation's adaptive exit, without its sampling)."""
     with ctx, torch.no_grad():
         for tokens in (4, gen_tokens):  # a warm-up, then the timed run
-            cache = model.new_kv_cache()
-            logits = model.exit_logits(prompt, 0.0, kv_cache=cache, head=head)[0]
+            caches = new_caches(model)
+            logits = exit_logits(model, prompt, 0.0, caches=caches)[0]
             synchronize(device)
             t0 = time.perf_counter()
             for _ in range(tokens):
-                logits = model.exit_logits(logits[:, -1:].argmax(-1), 0.0, kv_cache=cache, head=head)[0]
+                logits = exit_logits(model, logits[:, -1:].argmax(-1), 0.0, caches=caches)[0]
             synchronize(device)
     return (time.perf_counter() - t0) / gen_tokens
 
@@ -246,7 +256,7 @@ for precision in precisions:
     seconds, timed = train_steps(runs, x, y, share)
     for (model, optimizer, _, ctx, line), dt in zip(runs, seconds):
         throughput.append(tokens_per_step / dt)
-        mfu = model.estimate_mfu(tokens_per_step, dt, peak)
+        mfu = flops_per_token(model) * tokens_per_step / dt / peak
         print(line)
         print(f"train: {tokens_per_step / dt:.0f} tokens/s, {dt * 1000:.1f} ms/step (median of {timed}), "
               f"MFU {mfu * 100:.2f}% of {peak / 1e9:.0f} GFLOP/s")
@@ -258,8 +268,8 @@ for precision in precisions:
             for sequences in sorted({1, batch_size}):
                 prompt = torch.randint(vocab_size, (sequences, gen_prompt_len), device=device)
                 cached, uncached = (generation_step(model, ctx, prompt, use_cache) for use_cache in (True, False))
-                step_bytes = model.decode_step_bytes(sequences, gen_prompt_len + gen_tokens / 2,
-                                                     getattr(torch, dtype).itemsize)
+                step_bytes = decode_step_bytes(model, sequences, gen_prompt_len + gen_tokens / 2,
+                                               getattr(torch, dtype).itemsize)
                 floor = step_bytes / bandwidth
                 print(f"generate: {gen_tokens} new tokens x {sequences} sequence{'s' if sequences > 1 else ''}: "
                       f"cached {cached * 1e3:.2f} ms/step ({sequences / cached:.1f} tokens/s), uncached "

@@ -22,7 +22,7 @@ from lab.tasks import TASKS, best_shortcut, evaluate, evaluate_exit, format_by_k
 out_dir = "out-depth"  # the train.py run: reads out_dir/ckpt.pt
 loops = ""             # loop counts to evaluate at, comma-separated; "" = the trained count only
 examples = 2           # solved and failed answers shown at each k that has both (0: none)
-# adaptive exit (model.GPT.exit_logits) at each of these KL thresholds, comma-separated, at most the largest of loops:
+# adaptive exit (lab.decode.exit_logits) at each of these KL thresholds, comma-separated, at most the largest of loops:
 # accuracy by k, and the loops the answers at each k took (mean and standard deviation)
 exit_thresholds = ""
 device = "cpu"

@@ -1,7 +1,7 @@
 """
 Adaptive exit and the last_loop KV cache, measured on a train.py checkpoint, text or task (docs/adaptive_exit.md).
 On the val batches that train.py evaluates on: val loss (on a task also the accuracy by k) against the mean loops per
-position, at fixed loop counts and with adaptive exit at each KL threshold (GPT.exit_logits: every position in
+position, at fixed loop counts and with adaptive exit at each KL threshold (lab.decode.exit_logits: every position in
 parallel, up to max_loops); then the same scored through the KV cache one position at a time, as generation computes
 it (teacher forcing), with kv_cache per_visit and last_loop, at the trained loop count and at each threshold.
 
@@ -21,7 +21,8 @@ from torch.nn import functional as F
 
 from configurator import configure, die
 from dataset import EVAL_SEED, TokenWindows
-from model import GPT, KV_CACHES
+from model import GPT
+from lab.decode import KV_CACHES, exit_logits, new_caches
 from lab.tasks import TASKS, accuracy_by_k, format_by_k, hits_by_k, make_task
 
 out_dir = "out-smoke-sampled"  # the train.py run: reads out_dir/ckpt.pt
@@ -59,16 +60,16 @@ batches = [data.batch(index, config["batch_size"]) for index in range(config["ev
 def parallel(x, threshold, n_loop):
     """Logits and loops of every position, all positions at once."""
     if threshold:
-        logits, _, used = model.exit_logits(x, threshold, n_loop)
+        logits, _, used = exit_logits(model, x, threshold, n_loop)
         return logits, used
     return model(x, n_loop=n_loop)[0], torch.full_like(x, n_loop)
 
 
 def cached(x, threshold, n_loop, kv_cache):
     """Logits and loops of every position, fed one at a time through a KV cache, as generate feeds its tokens."""
-    cache = model.new_kv_cache(n_loop, kv_cache)
-    steps = [model.exit_logits(x[:, t:t + 1], threshold, n_loop, kv_cache=cache) if threshold else
-             (model(x[:, t:t + 1], n_loop=n_loop, kv_cache=cache)[0], None, torch.full_like(x[:, :1], n_loop))
+    caches = new_caches(model, n_loop, kv_cache)
+    steps = [exit_logits(model, x[:, t:t + 1], threshold, n_loop, caches=caches) if threshold else
+             (model(x[:, t:t + 1], n_loop=n_loop, caches=caches)[0], None, torch.full_like(x[:, :1], n_loop))
              for t in range(x.size(1))]
     return torch.cat([logits for logits, _, _ in steps], 1), torch.cat([used for _, _, used in steps], 1)
 

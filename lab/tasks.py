@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from runtime import precision
+from lab.decode import exit_logits
 
 SPLITS = ("train", "val")
 POINTERS = ("absolute", "relative")
@@ -220,7 +221,7 @@ def evaluate(model, task, n_batches, batch_size, n_loop=None, autocast=nullconte
 
 @torch.no_grad()
 def evaluate_exit(model, task, n_batches, batch_size, exit_threshold, n_loop=None, autocast=nullcontext()):
-    """evaluate() with adaptive exit (GPT.exit_logits: every position in parallel, at most n_loop loops) -> (accuracy
+    """evaluate() with adaptive exit (lab.decode.exit_logits: every position in parallel, at most n_loop loops) -> (accuracy
     by k, loops by k: {"1": a float tensor of the loops each answer at k took, ...})."""
     model.eval()
     hits = counts = 0
@@ -228,7 +229,7 @@ def evaluate_exit(model, task, n_batches, batch_size, exit_threshold, n_loop=Non
     for index in range(n_batches):
         x, y = task.batch(index, batch_size)
         with autocast:
-            logits, _, loops = model.exit_logits(x.to(model.lm_head.weight.device), exit_threshold, n_loop)
+            logits, _, loops = exit_logits(model, x.to(model.lm_head.weight.device), exit_threshold, n_loop)
         batch_hits, batch_counts = hits_by_k(task, logits.argmax(-1).cpu(), x, y)
         hits, counts = hits + batch_hits, counts + batch_counts
         k = task.hops(x)

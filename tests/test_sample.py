@@ -8,7 +8,7 @@ from model import GPT, GPTConfig
 from dataset import get_tokenizer
 from prepare_data import prepare
 from scripts import run_script
-from test_model import agree_after
+from agreeing_loops import agree_after
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # English with multi-byte UTF-8 characters, so that byte-level samples split characters across tokens
@@ -154,7 +154,7 @@ def test_bad_input_is_a_one_line_error(case, bytes_run, tmp_path):
 
 
 def test_adaptive_exit_reports_the_loops_each_token_used(bytes_run, monkeypatch):
-    """Against a model whose loops agree after 2 (test_model.agree_after): every token takes 3 loops."""
+    """Against a model whose loops agree after 2 (agreeing_loops.agree_after): every token takes 3 loops."""
     args = ("--start=The ", "--num_samples=2", "--max_new_tokens=30", "--top_k=1", "--n_loop=6")
     agree_after(monkeypatch, 2)
     result = run("sample.py", f"--out_dir={bytes_run}", "--device=cpu", "--dtype=float32", *args,

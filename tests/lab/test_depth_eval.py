@@ -10,7 +10,7 @@ import torch
 from dataset import EVAL_SEED
 from scripts import run_script
 from lab.tasks import make_task
-from test_model import agree_after
+from agreeing_loops import agree_after
 
 from scripts import ROOT
 

@@ -131,12 +131,12 @@ def test_the_loss_depends_on_the_answer_positions_only():
     x, y = task().batch(0, 4)
     model = GPT(GPTConfig(block_size=T, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
     logits = torch.randn(4, T, 64)
-    loss = model._loss(logits, y)
+    loss = model.loss(logits, y)
     changed = logits.clone()
     changed[y < 0] += torch.randn_like(changed[y < 0])  # every position without an answer
-    assert model._loss(changed, y) == pytest.approx(loss.item(), abs=1e-6)
+    assert model.loss(changed, y) == pytest.approx(loss.item(), abs=1e-6)
     changed[y >= 0] += 1.0 * torch.randn_like(changed[y >= 0])
-    assert model._loss(changed, y) != pytest.approx(loss.item(), abs=1e-3)
+    assert model.loss(changed, y) != pytest.approx(loss.item(), abs=1e-3)
 
 
 def test_accuracy_is_one_for_an_oracle_and_chance_for_a_constant_guess():
