@@ -445,15 +445,12 @@ class GPT(nn.Module):
                 streams.append(x.detach())
         grads = torch.autograd.grad(self.loss(self.readout(x, no_cache), targets), sum(visit_params, []))
         n = len(visit_params[0])
-        flat = [torch.cat([g.flatten() for g in grads[v * n:(v + 1) * n]]) for v in range(L * R)]
-        kappa, grad_norm = [], []
-        for b in range(L):
-            g = [flat[r * L + b] for r in range(R)]
-            squares = [gr.pow(2).sum() for gr in g]
-            grad_norm.append([s.sqrt().item() for s in squares])
-            kappa.append((sum(g).pow(2).sum() / sum(squares).clamp_min(1e-30)).item())
-        return dict(kappa=kappa, grad_norm=grad_norm, residual_rms=[s.pow(2).mean().sqrt().item() for s in streams[1:]],
-                    streams=streams)
+        g = torch.stack([torch.cat([g.flatten() for g in grads[v * n:(v + 1) * n]]) for v in range(L * R)])
+        g = g.view(R, L, -1)  # g[r, b]: what visit r gives block b
+        squares = g.pow(2).sum(-1)
+        return dict(kappa=(g.sum(0).pow(2).sum(-1) / squares.sum(0).clamp_min(1e-30)).tolist(),
+                    grad_norm=squares.sqrt().T.tolist(), streams=streams,
+                    residual_rms=[s.pow(2).mean().sqrt().item() for s in streams[1:]])
 
     def compile_blocks(self, **options):
         """torch.compile every block and the loss in place (options as torch.compile's). Compiling forward whole

@@ -20,7 +20,8 @@ its steps are that much slower; torch.compile's compilation, which on a CPU can 
 Generation: gen_tokens new tokens after a gen_prompt_len-token prompt, for 1 sequence and for batch_size
 sequences, once with the KV cache and once recomputing the context at every step; compiled models generate compiled.
 A cached decode step is memory-bound: its floor is the bytes of weights and cache it must read
-(lab.flops.decode_step_bytes, at the mean cache length of the generation) over the memory's read bandwidth, measured here.
+(lab.flops.decode_step_bytes, at the mean cache length of the generation) over the memory's read bandwidth, measured
+here.
 The figures are wall-clock: the first line says how busy the machine was (its load average).
 """
 
@@ -64,8 +65,8 @@ gen_prompt_len = 16  # keep gen_prompt_len + gen_tokens <= block_size, or the ca
 compare_depths = False  # also bench n_layer * n_loop blocks x 1 loop (same unrolled FLOPs) and print the ratio
 compare_dtypes = False  # bench float32, bfloat16 and bfloat16 compiled side by side (instead of dtype and compile)
 compare_seconds = 60.0  # about how long compare_dtypes takes in all, a third for each precision (see above)
-# also decode with each kv_cache layout (lab.decode.new_caches): the bytes the cache allocates and the cached step's time;
-# and the cost of adaptive exit's test after every loop (lab.decode.exit_logits, with a threshold that no loop passes)
+# also decode with each kv_cache layout (lab.decode.new_caches): the bytes the cache allocates and the cached step's
+# time; and the cost of adaptive exit's test after every loop (lab.decode.exit_logits, with a threshold that no loop passes)
 compare_caches = False
 tuned_malloc = True  # False keeps glibc's default allocator policy, to measure what runtime.tune_malloc gains
 peak_flops = 0.0  # for MFU; 0 picks a default for the device (default_peak_flops below)

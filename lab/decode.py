@@ -133,7 +133,7 @@ def _rewrite_exited(cfg, caches, kept, loops, computed, start):
     for r in range(1, loops_max + 1):
         for b in range(L):
             cache, (k, v) = caches[P + (r - 1) * L + b], kept[b]
-            if not isinstance(cache, SharedKVCache) and r <= computed:  # per_visit: loop r's own where a position ran it
+            if not isinstance(cache, SharedKVCache) and r <= computed:  # loop r's own where a position ran it
                 ran = (loops >= r)[:, None, :, None]
                 if ran.all():
                     continue

@@ -221,8 +221,8 @@ def evaluate(model, task, n_batches, batch_size, n_loop=None, autocast=nullconte
 
 @torch.no_grad()
 def evaluate_exit(model, task, n_batches, batch_size, exit_threshold, n_loop=None, autocast=nullcontext()):
-    """evaluate() with adaptive exit (lab.decode.exit_logits: every position in parallel, at most n_loop loops) -> (accuracy
-    by k, loops by k: {"1": a float tensor of the loops each answer at k took, ...})."""
+    """evaluate() with adaptive exit (lab.decode.exit_logits: all positions in parallel, at most n_loop loops) ->
+    (accuracy by k, loops by k: {"1": a float tensor of the loops each answer at k took, ...})."""
     model.eval()
     hits = counts = 0
     loops_at = {str(j): [] for j in range(1, task.max_hops + 1)}
