@@ -4,7 +4,7 @@
 # value needs about k loops; adaptive exit (depth_eval.py --exit_thresholds) should spend few on k = 1 and many on
 # k = 6. Measurements: docs/adaptive_exit.md.
 #   python train.py config/depth_sampled_cpu.py
-#   python depth_eval.py --out_dir=out-depth-sampled --loops=1,2,4,8 --exit_thresholds=1e-3,1e-2,1e-1
+#   python -m lab.depth_eval --out_dir=out-depth-sampled --loops=1,2,4,8 --exit_thresholds=1e-3,1e-2,1e-1
 out_dir = "out-depth-sampled"
 dataset = "chains"
 chain_values = 8

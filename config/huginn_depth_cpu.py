@@ -5,7 +5,7 @@
 #   python train.py config/huginn_depth_cpu.py
 #   python train.py config/huginn_depth_cpu.py --residual=deeploop    # Post-LN blocks, which fail depth_cpu looped
 #   python train.py config/huginn_depth_cpu.py --loop_input=none      # without the injection
-#   python depth_eval.py --out_dir=out-huginn-depth --loops=1,2,3,6   # test-time depth counts core loops
+#   python -m lab.depth_eval --out_dir=out-huginn-depth --loops=1,2,3,6   # test-time depth counts core loops
 out_dir = "out-huginn-depth"
 dataset = "chains"
 chain_values = 8

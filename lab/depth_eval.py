@@ -2,9 +2,9 @@
 A model trained on a task of tasks.py (config/depth_cpu.py): its val accuracy by k at the loop count it was trained
 with and at others (test-time depth), beside the best shortcut, and a few of its solved and failed answers.
 
-    python depth_eval.py --out_dir=out-depth
-    python depth_eval.py --out_dir=out-depth --loops=1,2,4,8,16 --examples=2
-    python depth_eval.py --out_dir=out-depth-sampled --loops=1,2,4,8 --exit_thresholds=1e-3,1e-2   # adaptive exit
+    python -m lab.depth_eval --out_dir=out-depth
+    python -m lab.depth_eval --out_dir=out-depth --loops=1,2,4,8,16 --examples=2
+    python -m lab.depth_eval --out_dir=out-depth-sampled --loops=1,2,4,8 --exit_thresholds=1e-3,1e-2   # adaptive exit
 
 The val batches are the ones train.py evaluates on, in the precision it evaluates in (the run's dtype, under
 autocast: tasks.run_precision), so the trained loop count reproduces the run's last accuracy.

@@ -3,10 +3,10 @@ Downstream accuracy of a checkpoint, measured by EleutherAI's lm-evaluation-harn
 reports it: the harness does every task's prompts, few-shot examples, metrics and standard errors; this file only
 teaches it to run a model of this project (CheckpointLM below).
 
-    python eval_downstream.py --out_dir=out-loop_small                        # the 8 default tasks, 0-shot
-    python eval_downstream.py --out_dir=out-loop_small --num_fewshot=1        # ... 1-shot
-    python eval_downstream.py --out_dir=out-loop_small --tasks=hellaswag,piqa --limit=200 --n_loop=4
-    python eval_downstream.py --out_dir=out-smoke --include_path=docs/eval_demo --tasks=deeploop_demo   # offline
+    python -m lab.eval_downstream --out_dir=out-loop_small                        # the 8 default tasks, 0-shot
+    python -m lab.eval_downstream --out_dir=out-loop_small --num_fewshot=1        # ... 1-shot
+    python -m lab.eval_downstream --out_dir=out-loop_small --tasks=hellaswag,piqa --limit=200 --n_loop=4
+    python -m lab.eval_downstream --out_dir=out-smoke --include_path=docs/eval_demo --tasks=deeploop_demo   # offline
 
 Prints the harness's table on stdout and writes the harness's results (without per-sample logs) to
 out_dir/eval_<tasks>_<k>shot_loop<n_loop>_iter<checkpoint step>[_limit<N>].json: runs with other settings or

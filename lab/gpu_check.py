@@ -2,8 +2,8 @@
 Check a GPU machine end to end before spending GPU-days on it: one command and one table, sized to take under 10
 minutes on one GPU (it has not yet run on a GPU: none was available to this project; the dry run below is tested).
 
-    python gpu_check.py                          # config/paper_small.py at R=3, bfloat16, torch.compile
-    python gpu_check.py --dataset=fineweb_edu    # on your prepared data instead of the builtin corpus
+    python -m lab.gpu_check                          # config/paper_small.py at R=3, bfloat16, torch.compile
+    python -m lab.gpu_check --dataset=fineweb_edu    # on your prepared data instead of the builtin corpus
 
 Each check runs the project's own scripts as a separate process, exactly as a user would:
     train     train.py config/paper_small.py --n_loop=3 for train_iters steps: training tokens/s and MFU (the median
@@ -18,7 +18,7 @@ It prints the table and exits 1 if any check failed (the failing command and its
 The builtin corpus (GPT-2 tokens of Python's documentation) is made offline on first use in data/builtin.
 
 The same checks on a tiny model on CPU, which tests/test_gpu_check.py runs:
-    python gpu_check.py --dry=True --device=cpu --dtype=float32 --compile=False --nproc=2
+    python -m lab.gpu_check --dry=True --device=cpu --dtype=float32 --compile=False --nproc=2
 """
 
 import os
@@ -56,7 +56,7 @@ configure(globals(), sys.argv[1:])
 if os.path.exists(out_dir):
     die(f"{out_dir} exists; remove it or pass another --out_dir (the check does not write over earlier runs)")
 if device.startswith("cuda") and not torch.cuda.is_available():
-    die("no CUDA device here; this checks a GPU machine (a CPU dry run: python gpu_check.py --dry=True --device=cpu "
+    die("no CUDA device here; this checks a GPU machine (a CPU dry run: python -m lab.gpu_check --dry=True --device=cpu "
         "--dtype=float32 --compile=False)")
 if min(batch_size, gradient_accumulation_steps, train_iters, resume_iters, eval_iters, timeout) < 1 or gen_tokens < 0:
     die("batch_size, gradient_accumulation_steps, train_iters, resume_iters, eval_iters and timeout must be >= 1, "

@@ -4,8 +4,8 @@ each physical block at every evaluation (1: the visits' gradients are orthogonal
 below them test-time depth: val loss at each evaluated loop count (train.py's eval_loops) against tokens, and against
 the loop count at the last evaluation.
 
-    python plot.py out-smoke
-    python plot.py out-deeploop out-deepnorm out-unlooped --png=compare.png
+    python -m lab.plot out-smoke
+    python -m lab.plot out-deeploop out-deepnorm out-unlooped --png=compare.png
 
 Each run is a folder holding the metrics.jsonl that train.py writes; its legend entry names its residual scheme and
 loop count (and the folder, where two runs share both). Runs on a task of tasks.py (config/depth_cpu.py) get a third
@@ -85,7 +85,7 @@ if __name__ == "__main__":
     run_dirs = [a for a in sys.argv[1:] if not a.startswith("--")]
     configure(globals(), [a for a in sys.argv[1:] if a.startswith("--")])
     if not run_dirs:
-        die("name the runs to plot: python plot.py out-a out-b ... (folders that train.py wrote)")
+        die("name the runs to plot: python -m lab.plot out-a out-b ... (folders that train.py wrote)")
     runs = [(run_dir, *curves(run_dir)) for run_dir in run_dirs]
     labels = [f"{config['residual']}, n_loop={config['n_loop']}" + layout(config) + sampled_loops(config)
               for _, config, _ in runs]

@@ -2,12 +2,12 @@
 The paper's experiments at CPU scale. Every run is a plain `python train.py --key=value ...` in a subprocess, so what
 is measured here is exactly what train.py does. Three modes share the runs, the escape rule, the tables and the plots:
 
-    python sweep.py --mode=exponent   # Appendix C: DeepLoop's exponent p from 0.25 (DeepNorm) to 1 at R = 3, 5 seeds
-    python sweep.py --mode=lr         # each scheme at its own best learning rate, R = 1 and R = 3, 3 seeds
-    python sweep.py --mode=loops      # Table 1: loop counts R = 1, 3, 5, 7 at fixed physical depth, 3 seeds
-    python sweep.py --mode=transfer   # does each scheme's best learning rate stay put as R grows? R = 1, 2, 4, 8
-    python sweep.py --mode=loops --schemes=preln,deeploop,deepnorm,postln --seeds=0   # any grid, by override
-    python sweep.py --mode=depth      # where depth is the bottleneck: accuracy by k on pointer chains (tasks.py)
+    python -m lab.sweep --mode=exponent   # Appendix C: DeepLoop's exponent p from 0.25 (DeepNorm) to 1 at R = 3, 5 seeds
+    python -m lab.sweep --mode=lr         # each scheme at its own best learning rate, R = 1 and R = 3, 3 seeds
+    python -m lab.sweep --mode=loops      # Table 1: loop counts R = 1, 3, 5, 7 at fixed physical depth, 3 seeds
+    python -m lab.sweep --mode=transfer   # does each scheme's best learning rate stay put as R grows? R = 1, 2, 4, 8
+    python -m lab.sweep --mode=loops --schemes=preln,deeploop,deepnorm,postln --seeds=0   # any grid, by override
+    python -m lab.sweep --mode=depth      # where depth is the bottleneck: accuracy by k on pointer chains (tasks.py)
 
 The depth mode is apart from the other three: its runs train config/depth_cpu.py on a smaller budget (BUDGETS;
 the settings of the model and the budget given to sweep.py, in a config file or on the command line, override
@@ -15,7 +15,7 @@ both), scheme `untied` is the control with n_layer * R blocks run once (Pre-LN, 
 results are accuracy by k instead of loss; see the end of the file and docs/depth_task.md. The transfer mode runs
 on the depth task too:
 
-    python sweep.py --mode=transfer --dataset=chains   # best rates by accuracy at the hardest k, not by val loss
+    python -m lab.sweep --mode=transfer --dataset=chains   # best rates by accuracy at the hardest k, not by val loss
 
 Each mode runs every combination of its schemes x loops x exponents x learning_rates x seeds (an empty setting takes
 the mode's default, MODES below) and writes out_dir/results.md (tables), out_dir/<mode>.png (its plot) and
@@ -451,7 +451,7 @@ if mode == "depth":
                 + " |")
     lines += ["", f"Sweep time: {minutes:.1f} min wall with {workers} worker(s), {run_minutes:.1f} min summed over the "
               f"runs trained in this invocation and earlier ones. Command: "
-              f"`{' '.join(['python sweep.py'] + sys.argv[1:])}`"]
+              f"`{' '.join(['python -m lab.sweep'] + sys.argv[1:])}`"]
     table = "\n".join(lines)
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(table + "\n")
@@ -612,7 +612,7 @@ if mode == "loops":
                 label = scheme_label(s, p) + (f" lr {lr:g}" if len(lr_list) > 1 else "")
                 lines.append(f"| {label} | " + " | ".join(cells) + " |")
 lines += ["", f"Sweep time: {minutes:.1f} min wall with {workers} worker(s), {run_minutes:.1f} min summed over the "
-          f"runs trained in this invocation and earlier ones. Command: `{' '.join(['python sweep.py'] + sys.argv[1:])}`"]
+          f"runs trained in this invocation and earlier ones. Command: `{' '.join(['python -m lab.sweep'] + sys.argv[1:])}`"]
 table = "\n".join(lines)
 with open(os.path.join(out_dir, "results.md"), "w") as f:
     f.write(table + "\n")

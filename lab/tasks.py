@@ -172,7 +172,7 @@ def require_text(checkpoint, out_dir):
     depth_eval.py, when the checkpoint in out_dir is of a run on a task."""
     if checkpoint["config"].get("dataset") in TASKS:
         raise ValueError(f"{out_dir} was trained on the {checkpoint['config']['dataset']} task, not on text: show its "
-                         f"answers with python depth_eval.py --out_dir={out_dir}")
+                         f"answers with python -m lab.depth_eval --out_dir={out_dir}")
 
 
 def make_task(config, split, seed):

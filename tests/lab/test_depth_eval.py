@@ -43,7 +43,7 @@ def test_depth_eval_reproduces_the_runs_accuracy_and_shows_examples(depth_run):
     assert examples and all(" -> cell " in line and "; model: " in line for line in examples)
     r = run("sample.py", "--out_dir=run", cwd=tmp_path)  # no text to sample: it points here
     assert r.returncode == 2 and r.stderr == ("error: run was trained on the chains task, not on text: show its "
-                                              "answers with python depth_eval.py --out_dir=run\n")
+                                              "answers with python -m lab.depth_eval --out_dir=run\n")
 
 
 

@@ -192,7 +192,7 @@ def test_a_checkpoint_is_evaluated_in_the_precision_its_run_trained_in():
 def test_scripts_for_text_point_a_tasks_checkpoint_to_depth_eval():
     require_text(dict(config=dict(dataset="builtin_bytes")), "out")
     with pytest.raises(ValueError, match="^out-depth was trained on the chains task, not on text: show its answers "
-                                         "with python depth_eval.py --out_dir=out-depth$"):
+                                         "with python -m lab.depth_eval --out_dir=out-depth$"):
         require_text(dict(config=dict(dataset="chains")), "out-depth")
 
 
