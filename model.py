@@ -74,7 +74,7 @@ def branch_scale(residual, n_blocks, n_loop, lam=1.0):
     """epsilon, the factor of both branches of a Pre-LN block, x = x + epsilon * f(Norm(x)): lam / (n_loop *
     sqrt(n_blocks)) for preln_scaled, the rival rule of Wang et al. (arXiv 2606.18524: a looped block's visits make
     correlated updates and need 1/n_loop, independent blocks 1/sqrt), and 1 for every other scheme.
-    docs/residual_rules.md sets the four rules side by side."""
+    docs/text.md sets the four rules side by side."""
     if not 0 < lam < math.inf:
         raise ValueError(f"residual_lambda must be a positive number (the paper's lambda, 1 by default), got {lam}")
     if residual != "preln_scaled":

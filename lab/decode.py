@@ -64,7 +64,7 @@ def exit_logits(model, idx, exit_threshold, n_loop=None, targets=None, caches=No
     (as Huginn fills the steps a token skipped from its latest one), in the coda those of the coda's run on its exit
     state. A position decoded later, one at a time, reads an exited position's exit-loop entries at every deeper
     loop, where a parallel pass (no cache: scoring; or a prompt) lets it read what that position's further loops
-    computed: the two differ wherever a position exits before the last loop (measured in docs/adaptive_exit.md)."""
+    computed: the two differ wherever a position exits before the last loop (measured in docs/test_time_depth.md)."""
     cfg, loops_max = model.config, n_loop or model.config.n_loop
     if not exit_threshold >= 0:
         raise ValueError(f"exit_threshold must be >= 0 (0 = off: every position runs n_loop loops), got "

@@ -1,5 +1,5 @@
 """
-Adaptive exit and the last_loop KV cache, measured on a train.py checkpoint, text or task (docs/adaptive_exit.md).
+Adaptive exit and the last_loop KV cache, measured on a train.py checkpoint, text or task (docs/test_time_depth.md).
 On the val batches that train.py evaluates on: val loss (on a task also the accuracy by k) against the mean loops per
 position, at fixed loop counts and with adaptive exit at each KL threshold (lab.decode.exit_logits: every position in
 parallel, up to max_loops); then the same scored through the KV cache one position at a time, as generation computes

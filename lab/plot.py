@@ -10,7 +10,7 @@ the loop count at the last evaluation.
 Each run is a folder holding the metrics.jsonl that train.py writes; its legend entry names its residual scheme and
 loop count (and the folder, where two runs share both). Runs on a task of tasks.py (config/depth_cpu.py) get a third
 panel: the val accuracy by k at the last evaluation, and the best shortcut (dashed). Runs whose diagnostics probe the
-stream (model.linear_probe) get a last one: at the last evaluation, how well a linear read-out recovers each
+stream (lab.probes.linear_probe) get a last one: at the last evaluation, how well a linear read-out recovers each
 position's input token (solid) and its index (dashed) from the stream after each visit of the core, printed as a
 table too: 1.0, the stream still knows what its cell is; near 0, it no longer does. Needs matplotlib.
 """

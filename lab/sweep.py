@@ -25,7 +25,7 @@ where it stopped, and a sweep with more seeds reuses the runs it has; delete out
 
 Escaping the floor. A model that has only learned how often each token occurs scores the unigram entropy of the
 data, measured here from the training split; short Post-LN runs often stall there. A run has *escaped* when its
-final val loss is below that floor by more than escape_margin nats. In the sweeps of docs/reproducing.md the runs
+final val loss is below that floor by more than escape_margin nats. In the sweeps of docs/text.md the runs
 whose training loss stayed on the floor's curve ended between 0.097 below and 0.095 above it (the training split's
 byte frequencies score 3.312 on the val split against the floor's 3.315) and those that learned more ended at least
 0.112 below it. A margin of 0.1 falls in that narrow gap; curves.png shows where it falls for any new sweep.
@@ -393,7 +393,7 @@ if mode == "depth":
                 best_lr[s, r, p] = (rank, lr)
     best = {key: (lr, done[(*key, lr)]) for key, (_, lr) in best_lr.items()}
     first = next(iter(results.values()))
-    lines = [f"# sweep.py --mode=depth", "",
+    lines = [f"# python -m lab.sweep --mode=depth", "",
              f"Val accuracy by k (the pointers to follow) on the task of {budget} (tasks.py), {n_layer} physical "
              f"blocks looped R times; `untied` is the control with {n_layer}R blocks run once (Pre-LN). Seeds "
              f"{','.join(map(str, seed_list))}, learning rates {', '.join(f'{lr:g}' for lr in lr_list)}"
@@ -525,7 +525,7 @@ else:
                f"{n_embd}, data/{dataset}, seeds {','.join(map(str, seed_list))}; mean ± std over seeds. Unigram floor "
                f"{floor:.4f} (entropy of the training split's {unit} frequencies); *escaped* = final val loss below "
                f"{floor - escape_margin:.4f} (floor - {escape_margin}).")
-lines = [f"# sweep.py --mode={mode}" + (" --dataset=chains" if on_chains else ""), "",
+lines = [f"# python -m lab.sweep --mode={mode}" + (" --dataset=chains" if on_chains else ""), "",
          setting + " kappa_R: visit alignment at the end of training, mean over the physical blocks (1 = visits "
                    "decorrelated, R = fully aligned).", "",
          f"| scheme | R | p | lr | {escape_word} | {what} (all) | {what} ({escape_word}) | kappa_R |",

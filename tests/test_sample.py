@@ -65,7 +65,7 @@ def test_greedy_bytes_sample_is_readable_same_without_cache_other_with_more_loop
 
 
 def test_cached_greedy_generation_in_bfloat16_equals_recomputing_the_context(bytes_run):
-    """In bfloat16 (autocast: the blocks' weights cast once, the output layer's copy made in bfloat16) the cache
+    """In bfloat16 (autocast: the blocks' weights cast once, the model computing in bfloat16) the cache
     changes the speed, not the first 50 tokens of the trained model's greedy output."""
     model, checkpoint = GPT.from_checkpoint(str(bytes_run / "ckpt.pt"))
     model.eval()

@@ -268,7 +268,7 @@ def test_transfer_mode_on_the_depth_task_ranks_rates_by_accuracy_at_the_hardest_
     assert "288 runs" not in r.stdout and "24 runs of config/depth_cpu.py with batch_size=32, max_iters=200, " \
                                          "warmup_iters=50" in r.stdout
     table = (out / "results.md").read_text()
-    assert table.startswith("# sweep.py --mode=transfer --dataset=chains\n")
+    assert table.startswith("# python -m lab.sweep --mode=transfer --dataset=chains\n")
     assert "| preln | 1 | — | 0.002 | 2/2 | 0.5500 ± 0.0707 | 0.5500 ± 0.0707 | 0.50 ± 0.00 |" in table
     assert "| deeploop | 1 | 0.5 | 0.001 | 1/2 | 0.2500 ± 0.0707 | 0.3000 ± 0.0000 | 0.50 ± 0.00 |" in table
     assert "| deeploop | 2 | 0.5 | 0.002 | 0/2 (2 diverged) | — | — | — |" in table
