@@ -216,7 +216,9 @@ class CausalSelfAttention(nn.Module):
         mask = None  # one new query after the cache sees every key: no mask keeps the fastest kernels eligible
         if past and T > 1:  # new queries after `past` cached keys: query i sees keys 0..past+i
             mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=past == 0,
+        # is_causal takes a Python bool: `not past` is one under torch.compile too, where `past == 0` would stay
+        # symbolic once past is dynamic, and break the compiled decode step's graph
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not past,
                                            dropout_p=self.dropout if self.training else 0.0)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
 

@@ -1,35 +1,23 @@
 import math
 import os
 
-import numpy as np
 import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
-from torch.func import functional_call
 from torch.nn import functional as F
 
-from model import (GPT, KV_CACHES, LOOP_INPUTS, LOOP_STREAM, MAX_LOOPS, GPTConfig, KVCache, NORMS,
-                   POSITION_ENCODINGS, PRE_LN, RESIDUALS, TrainLoops, apply_rotary, branch_scale, linear_probe,
+from model import (CHOICES, GPT, MAX_LOOPS, PRE_LN, RESIDUALS, GPTConfig, KVCache, Rotary, branch_scale,
                    residual_coefficients)
+from models import BACKBONES, HUGINN, HUGINN_BACKBONES, NO_CACHE, PAPER, backbone_id, perturbed, tiny
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 
 
-def tiny(**kw):
-    args = dict(block_size=32, vocab_size=128, n_layer=2, n_loop=1, n_head=2, n_embd=32, dropout=0.0, bias=True)
-    args.update(kw)
-    return GPTConfig(**args)
-
-
-PAPER = dict(norm="rmsnorm", position_encoding="rope", norm_branch_input=True)  # the DeepLoop paper's backbone
-# every backbone: both norms x both position encodings x both Post-LN block forms, and Pre-LN with each norm/position
-BACKBONES = [dict(residual="deeploop", norm=n, position_encoding=p, norm_branch_input=b)
-             for n in NORMS for p in POSITION_ENCODINGS for b in (False, True)] + \
-            [dict(residual="preln", norm=n, position_encoding=p) for n in NORMS for p in POSITION_ENCODINGS] + \
-            [dict(residual="preln_scaled")]
-
-
-def backbone_id(backbone):
-    return "-".join(str(v) for v in backbone.values())
+def physical_blocks(model):
+    """The blocks a model stores, in the order a pass first visits them: the prelude, the core, the coda."""
+    t = model.transformer
+    return [*t.prelude, *t.h, *t.coda]
 
 
 @pytest.mark.parametrize("n_layer,n_loop", [(1, 1), (2, 4), (6, 2), (12, 1), (2, 48)])
@@ -243,6 +231,9 @@ def test_loop_diagnostics_per_visit_gradients_sum_to_the_real_gradient(residual)
     targets = torch.roll(idx, -1, 1)
     diag = model.loop_diagnostics(idx, targets)
     assert len(diag["residual_rms"]) == 6 and len(diag["grad_norm"]) == 2 and len(diag["grad_norm"][0]) == 3
+    # the streams the lab's probes read: the core's input, then every visit's output, whose RMS residual_rms holds
+    assert set(diag) == {"kappa", "grad_norm", "residual_rms", "streams"} and len(diag["streams"]) == 7
+    assert diag["residual_rms"] == [s.pow(2).mean().sqrt().item() for s in diag["streams"][1:]]
     if residual == "deeploop":  # Post-LN: every visit ends in a LayerNorm with unit gain and zero bias at init
         assert diag["residual_rms"] == pytest.approx([1.0] * 6, rel=1e-3)
     _, loss = model(idx, targets)
@@ -262,43 +253,6 @@ def test_kappa_is_one_without_looping():
     assert model.loop_diagnostics(idx, torch.roll(idx, -1, 1))["kappa"] == pytest.approx([1.0] * 3)
 
 
-def test_mfu_counts_flops_over_the_unrolled_depth():
-    looped = GPT(tiny(n_layer=2, n_loop=4))
-    untied = GPT(tiny(n_layer=8, n_loop=1))
-    assert looped.num_params() < untied.num_params()
-    # same unrolled depth, same matmuls per token
-    assert looped.flops_per_token() == untied.flops_per_token()
-    assert looped.estimate_mfu(1000, 1.0, 1e12) == pytest.approx(looped.flops_per_token() * 1000 / 1e12)
-
-
-def test_flops_count_the_loops_a_step_ran_and_backward_over_the_tracked_loops_only():
-    """A model built for 1 loop that runs 4 does the work of one built for 4; with backprop_loops, forward (a third
-    of the cost: 2 FLOPs per parameter and token of 6) runs every loop, backward (4 of 6) the tracked ones."""
-    one, four = GPT(tiny(n_layer=2, n_loop=1)), GPT(tiny(n_layer=2, n_loop=4))
-    assert one.flops_per_token(4) == four.flops_per_token() == four.flops_per_token(4)
-    assert one.estimate_mfu(1000, 1.0, 1e12, n_loop=4) == four.estimate_mfu(1000, 1.0, 1e12)
-    per_loop = one.flops_per_token(2) - one.flops_per_token(1)  # the blocks' 6 x params + attention, per loop
-    block_params = sum(p.numel() for p in one.transformer.h.parameters())
-    assert per_loop == 6 * block_params + 12 * 2 * 32 * 32  # 2 blocks, width 32, 32 positions
-    head = one.flops_per_token(1) - per_loop  # the output layer, forward and backward, in every step
-    for loops, tracked in ((4, 1), (4, 3), (7, 2)):
-        assert one.flops_per_token(loops, tracked) == head + per_loop * (loops + 2 * tracked) // 3
-        assert four.estimate_mfu(1000, 1.0, 1e12, loops, tracked) == pytest.approx(
-            one.flops_per_token(loops, tracked) * 1000 / 1e12)
-    assert one.flops_per_token(4, 4) == one.flops_per_token(4, 9) == one.flops_per_token(4)  # every loop tracked
-
-
-def test_decode_floor_counts_each_weight_once_and_the_cache_of_every_visit():
-    model = GPT(tiny(n_layer=2, n_loop=3))  # width 32, vocabulary 128, with biases
-    # two LayerNorms, the q/k/v matrix, the attention output, the MLP's two matrices
-    block = 2 * 2 * 32 + (32 * 96 + 96) + (32 * 32 + 32) + (32 * 128 + 128) + (128 * 32 + 32)
-    head = 128 * 32  # the output layer, tied to the token embedding
-    cache = 2 * 6 * 3 * 10 * 32  # keys and values, 6 visits, 3 sequences, 10 positions, width 32
-    assert model.decode_step_bytes(3, 10, 4) == 4 * (2 * block + head + cache) == 164096
-    # bfloat16, and 10 visits instead of 6
-    assert model.decode_step_bytes(3, 10, 2, n_loop=5) == 2 * (2 * block + head + cache * 10 // 6)
-
-
 def test_one_token_decode_step_attends_without_a_mask(monkeypatch):
     """After the prompt, each new token is one query that may see every cached key: no mask is built or passed, so
     that the fastest attention kernels stay eligible (any attn_mask rules out flash attention)."""
@@ -316,14 +270,29 @@ def test_one_token_decode_step_attends_without_a_mask(monkeypatch):
     assert calls == [(5, 5, None, True)] * visits + [(1, 6, None, False)] * visits + [(1, 7, None, False)] * visits
 
 
+@pytest.mark.parametrize("cached_loops", [1, 2, 4])
+def test_forward_rejects_a_cache_made_for_another_loop_count(cached_loops):
+    """A cache holds an entry per unrolled visit of the count it was made for: a pass through more visits would run
+    blocks with no entry to read, one through fewer would hand the coda a core visit's entries."""
+    model = GPT(tiny(n_loop=3, **HUGINN))
+    idx = torch.zeros(1, 4, dtype=torch.long)
+    depth = 1 + 2 * cached_loops + 2
+    message = (f"a cache of {depth} visits for a pass through 9: make it with new_caches(n_loop) for the n_loop the "
+               f"pass runs")
+    for caches, n_loop in ((model.new_caches(cached_loops), None), ([KVCache() for _ in range(depth)], 3)):
+        with pytest.raises(ValueError) as e:
+            model(idx, n_loop=n_loop, caches=caches)
+        assert str(e.value) == message
+
+
 def test_kv_cache_fills_one_preallocated_buffer_per_visit():
     model = GPT(tiny(n_loop=2, block_size=16)).eval()
     cache = [KVCache() for _ in range(4)]
-    model(torch.zeros(2, 5, dtype=torch.long), kv_cache=cache)
+    model(torch.zeros(2, 5, dtype=torch.long), caches=cache)
     buffers = [(c.k.data_ptr(), c.v.data_ptr()) for c in cache]
     assert all(c.past == 5 and c.k.shape == c.v.shape == (2, 2, 16, 16) for c in cache)
     for _ in range(3):
-        model(torch.zeros(2, 1, dtype=torch.long), kv_cache=cache)
+        model(torch.zeros(2, 1, dtype=torch.long), caches=cache)
     assert all(c.past == 8 for c in cache)
     assert [(c.k.data_ptr(), c.v.data_ptr()) for c in cache] == buffers  # written in place, never regrown
 
@@ -389,11 +358,28 @@ def test_from_checkpoint_raises_with_the_fix_in_the_message(tmp_path):
         GPT.from_checkpoint(path)
 
 
+@pytest.mark.parametrize("name", ["plain", "huginn"])
+def test_checkpoints_written_before_the_lab_split_compute_what_they_computed_then(name):
+    """tests/fixtures: two checkpoints of train.py from before the model was split into the lesson and the lab, and
+    the outputs that model computed from them: the logits at three loop counts, and greedy samples of 40 tokens that
+    run past block_size 32 (the window slides). Today's model computes them bit for bit."""
+    expected = torch.load(os.path.join(FIXTURES, "outputs_before_lab.pt"), weights_only=True)[name]
+    model, _ = GPT.from_checkpoint(os.path.join(FIXTURES, f"ckpt_{name}_before_lab.pt"))
+    model.eval()
+    idx = expected["idx"]
+    assert len(expected["logits"]) == 3 and len(expected["greedy"]) == 2
+    with torch.no_grad():
+        for n_loop, logits in expected["logits"].items():
+            assert torch.equal(model(idx, n_loop=n_loop)[0], logits), n_loop
+    for n_loop, greedy in expected["greedy"].items():
+        assert torch.equal(model.generate(idx[:1, :5], 40, top_k=1, n_loop=n_loop), greedy), n_loop
+
+
 def test_model_module_imports_nothing_of_the_project_and_never_exits():
     with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model.py")) as f:
         source = f.read()
     imported = {line.split()[1].split(".")[0] for line in source.splitlines() if line.startswith(("import ", "from "))}
-    assert imported == {"contextlib", "inspect", "math", "os", "dataclasses", "numpy", "torch"}
+    assert imported == {"inspect", "itertools", "math", "os", "dataclasses", "torch"}
     assert "exit(" not in source and "die(" not in source
 
 
@@ -410,13 +396,12 @@ def test_bad_backbone_settings_are_rejected(kw, message):
 
 def test_rope_scores_depend_only_on_the_distance_between_positions():
     model = GPT(tiny(position_encoding="rope", block_size=64, n_embd=64, n_head=2))
+    rotary = model.transformer.h[0].attn.rotary
     torch.manual_seed(0)
     q, k = torch.randn(2, 1, 1, 1, 32).unbind(0)  # one head's query and key, (B, n_head, T, head_size)
 
     def score(m, n):
-        rotated_q = apply_rotary(q, model.rope_cos[m:m + 1], model.rope_sin[m:m + 1])
-        rotated_k = apply_rotary(k, model.rope_cos[n:n + 1], model.rope_sin[n:n + 1])
-        return (rotated_q * rotated_k).sum().item()
+        return (rotary(q, m) * rotary(k, n)).sum().item()
 
     assert score(0, 0) == pytest.approx((q * k).sum().item(), rel=1e-6)  # position 0 is not rotated
     for m, n in [(5, 2), (40, 1), (17, 17)]:
@@ -425,21 +410,28 @@ def test_rope_scores_depend_only_on_the_distance_between_positions():
     assert score(5, 2) != pytest.approx(score(5, 4), rel=1e-3)  # but the distance matters
 
 
-def test_rope_model_sees_relative_positions_only():
+def test_rope_model_sees_relative_positions_only(monkeypatch):
     """The same tokens at positions [s, s + T) or [0, T) give the same attention output: no absolute position is
-    stored anywhere (no wpe parameter, and the rotary tables are not in the state dict)."""
+    stored anywhere (no wpe parameter, and the rotary tables are not in the state dict). A pass without a cache starts
+    at position 0; the shifted one turns q and k as for positions from 13 on."""
     torch.manual_seed(0)
     model = GPT(tiny(position_encoding="rope", **{k: v for k, v in PAPER.items() if k != "position_encoding"}))
     assert model.transformer.wpe is None
-    assert not [k for k in model.state_dict() if "wpe" in k or "rope" in k]
+    assert not [k for k in model.state_dict() if "wpe" in k or "rotary" in k]
     attn = model.transformer.h[0].attn
+    rotary = attn.rotary
     with torch.no_grad():  # sharper attention than at init, where near-zero scores leave positions little to do
         attn.c_attn.weight[:64] *= 30
     x = torch.randn(2, 10, 32)
-    at_start = attn(x, rope=model._rope(0, 10))
-    shifted = attn(x, rope=model._rope(13, 10))
+    at_start = attn(x)
+    with monkeypatch.context() as patch:
+        patch.setattr(rotary, "forward", lambda t, start: Rotary.forward(rotary, t, start + 13))
+        shifted = attn(x)
     torch.testing.assert_close(shifted, at_start, rtol=1e-3, atol=1e-7)
-    assert (attn(x, rope=None) - at_start).abs().max() > 0.1 * at_start.abs().max()  # the rotation does something
+    with monkeypatch.context() as patch:
+        patch.setattr(attn, "rotary", None)
+        unrotated = attn(x)
+    assert (unrotated - at_start).abs().max() > 0.1 * at_start.abs().max()  # the rotation does something
 
 
 @pytest.mark.parametrize("residual", RESIDUALS)
@@ -448,7 +440,6 @@ def test_rope_drops_only_the_position_embedding_from_the_counts(residual):
     rope = GPT(tiny(residual=residual, position_encoding="rope"))
     assert rope.num_params(non_embedding=False) == learned.num_params(non_embedding=False) - 32 * 32
     assert rope.num_params() == learned.num_params()  # wpe is never counted in the default
-    assert rope.flops_per_token() == learned.flops_per_token()
 
 
 @pytest.mark.parametrize("residual", RESIDUALS)
@@ -461,12 +452,12 @@ def test_rmsnorm_replaces_every_layernorm(residual):
     assert all(norm.eps == 1e-5 and norm.weight.shape == (32,) for norm in norms)
     if residual not in PRE_LN:
         # a Post-LN stream leaves every visit with RMS 1 per position, and, unlike LayerNorm's, a non-zero mean
-        x = model.transformer.h[0](model._embed(torch.randint(0, 128, (2, 16))))
+        x = model.transformer.h[0](model.embed(torch.randint(0, 128, (2, 16)), 0, NO_CACHE))
         torch.testing.assert_close(x.pow(2).mean(-1), torch.ones(2, 16), rtol=1e-4, atol=1e-4)
         assert x.mean(-1).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("norm", CHOICES["norm"])
 def test_branch_input_norms_exist_only_in_post_ln_and_start_as_identities(norm):
     """norm_branch_input adds a norm before each branch of a Post-LN block. The stream entering a block is already a
     norm's output, so at init (unit gains) the model computes what it computes without them; their gains then learn."""
@@ -511,41 +502,11 @@ def test_coefficient_loops_sets_the_depth_of_alpha_and_beta():
         tiny(coefficient_loops=-1)
 
 
-def test_train_loops_draw_a_pure_function_of_seed_and_step():
-    uniform, huginn = TrainLoops("uniform", loop_min=1, loop_max=3), TrainLoops("lognormal_poisson", loop_mean=3.0)
-    for loops in (uniform, huginn):
-        draws = [loops.draw(1337, step) for step in range(3000)]
-        assert draws == [loops.draw(1337, step) for step in range(3000)]  # fresh calls, any order: the same counts
-        assert draws != [loops.draw(1338, step) for step in range(3000)]
-        assert sum(draws) / len(draws) == pytest.approx(loops.mean, rel=0.04) and min(draws) >= 1
-    assert set(draws) > {1, 2, 3, 4, 5, 6}  # Huginn's long right tail
-    assert {uniform.draw(0, step) for step in range(100)} == {1, 2, 3}
-    assert TrainLoops().draw(0, 5) is None and TrainLoops("lognormal_poisson", loop_mean=1.0).draw(0, 5) == 1
-
-
-def test_the_loop_draw_has_a_stream_of_its_own():
-    """Seeded with [seed, step], the draw of step 0 was the stream of train batch 0 ([seed, 0, 0] after numpy's
-    padding) and that of step 1 the stream of val batch 0 ([seed, 1, 0]): the loop count was a function of the
-    batch's data. The draw's seed has LOOP_STREAM where a batch's has its split."""
-    loops = TrainLoops("uniform", loop_min=1, loop_max=MAX_LOOPS)
-    for step in (0, 1):
-        draws = [loops.draw(seed, step) for seed in range(20)]
-        batch = [int(np.random.default_rng([seed, step, 0]).integers(1, MAX_LOOPS + 1)) for seed in range(20)]
-        own = [int(np.random.default_rng([seed, LOOP_STREAM, step]).integers(1, MAX_LOOPS + 1)) for seed in range(20)]
-        assert draws == own and sum(d == b for d, b in zip(draws, batch)) <= 1
-    assert LOOP_STREAM >= 2  # a split's index is 0 (train) or 1 (val)
-
-
 @pytest.mark.parametrize("build,message", [
     (lambda: tiny(n_loop=10 ** 12), f"n_loop must be a loop count from 1 to {MAX_LOOPS} (model.MAX_LOOPS), got "
                                      f"{10 ** 12}"),
     (lambda: tiny(coefficient_loops=MAX_LOOPS + 1),
      f"coefficient_loops must be from 0 (= n_loop) to {MAX_LOOPS} (model.MAX_LOOPS), got {MAX_LOOPS + 1}"),
-    (lambda: TrainLoops("uniform", loop_min=1, loop_max=1000000000000),
-     f"loop_sampling=uniform needs 1 <= loop_min <= loop_max <= {MAX_LOOPS} (model.MAX_LOOPS), got loop_min=1 "
-     f"loop_max=1000000000000"),
-    (lambda: TrainLoops("lognormal_poisson", loop_mean=float("1e400")),
-     f"loop_sampling=lognormal_poisson needs 1 <= loop_mean <= {MAX_LOOPS} (model.MAX_LOOPS), got inf"),
     (lambda: GPT(tiny())(torch.zeros(1, 4, dtype=torch.long), n_loop=MAX_LOOPS + 1),
      f"n_loop must be a loop count from 1 to {MAX_LOOPS} (model.MAX_LOOPS), got {MAX_LOOPS + 1}"),
     (lambda: GPT(tiny()).generate(torch.zeros(1, 4, dtype=torch.long), 2, n_loop=-3),
@@ -553,131 +514,11 @@ def test_the_loop_draw_has_a_stream_of_its_own():
 ])
 def test_every_loop_count_is_bounded_by_max_loops(build, message):
     """A typo in a loop count would run a step that never ends (and that SIGTERM does not cut short), or grow the
-    list of visits until memory runs out: every count a setting or a call can produce stops at MAX_LOOPS."""
+    list of visits until memory runs out: every count a setting or a call can produce stops at MAX_LOOPS (the
+    training loop draws: tests/lab/test_loops.py)."""
     with pytest.raises(ValueError) as error:
         build()
     assert str(error.value) == message
-
-
-def test_lognormal_poisson_draws_above_max_loops_run_max_loops():
-    """The log-normal Poisson draw has no upper end: a draw above MAX_LOOPS runs MAX_LOOPS (at loop_mean =
-    MAX_LOOPS, about half of them), and MAX_LOOPS itself is a valid count everywhere."""
-    draws = [TrainLoops("lognormal_poisson", loop_mean=MAX_LOOPS).draw(0, step) for step in range(200)]
-    assert max(draws) == MAX_LOOPS and 50 < draws.count(MAX_LOOPS) < 150 and min(draws) >= 1
-    assert tiny(n_loop=MAX_LOOPS).n_loop == MAX_LOOPS
-    assert TrainLoops("uniform", loop_min=MAX_LOOPS, loop_max=MAX_LOOPS).draw(0, 0) == MAX_LOOPS
-
-
-def test_compiled_blocks_take_every_sampled_loop_count_in_a_few_graphs():
-    """train.py's compile (compile_blocks) over a sampled run: the 20 counts that log-normal Poisson with mean 8 draws
-    in 200 steps, with truncated backprop, then evaluations at other counts, compile a handful of graphs in all
-    (autograd on or off, training or eval, a block input with or without a gradient; the loss), and running every
-    count again compiles nothing: far below dynamo's recompile_limit, past which it would run uncompiled (made an
-    error here). Whole-model compile, for comparison, needs a graph per count and hits the limit. A counting backend
-    instead of inductor: seconds, not minutes; the graphs it is handed are the ones inductor would compile."""
-    loops = TrainLoops("lognormal_poisson", loop_mean=8.0)
-    counts = sorted({loops.draw(1337, step) for step in range(200)})
-    assert len(counts) > 2 * torch._dynamo.config.recompile_limit
-    graphs = []
-
-    def counting(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch.manual_seed(0)
-    idx = torch.randint(0, 128, (2, 16))
-    targets = torch.roll(idx, -1, 1)
-    model = GPT(tiny(n_layer=2, n_loop=8))
-    eager = model(idx, targets, n_loop=3)[1]
-    torch._dynamo.reset()
-    try:
-        model.compile_blocks(backend=counting)
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-            for n_loop in counts:
-                model(idx, targets, n_loop=n_loop, backprop_loops=2)[1].backward()
-            training = len(graphs)
-            model.eval()
-            with torch.no_grad():
-                for n_loop in (1, 16, 40):
-                    model(idx, targets, n_loop=n_loop)
-            model.train()
-            evaluation = len(graphs) - training
-            for n_loop in counts[::-1]:
-                model(idx, targets, n_loop=n_loop, backprop_loops=2)[1].backward()
-            compiled = model(idx, targets, n_loop=3)[1]
-        assert training <= 5 and evaluation <= 2 and len(graphs) == training + evaluation
-        torch.testing.assert_close(compiled, eager)
-
-        torch._dynamo.reset()
-        graphs.clear()
-        whole = torch.compile(GPT(tiny(n_layer=2, n_loop=8)), backend=counting)
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-            with pytest.raises(Exception, match="recompile_limit"):
-                for n_loop in counts:
-                    whole(idx, targets, n_loop=n_loop)
-        assert len(graphs) == torch._dynamo.config.recompile_limit
-    finally:
-        torch._dynamo.reset()
-
-
-@pytest.mark.parametrize("settings,message", [
-    (dict(loop_sampling="uniform", loop_min=0, loop_max=3),
-     "loop_sampling=uniform needs 1 <= loop_min <= loop_max <= 1024 (model.MAX_LOOPS), got loop_min=0 loop_max=3"),
-    (dict(loop_sampling="uniform", loop_min=3, loop_max=2),
-     "loop_sampling=uniform needs 1 <= loop_min <= loop_max <= 1024 (model.MAX_LOOPS), got loop_min=3 loop_max=2"),
-    (dict(loop_sampling="lognormal_poisson", loop_mean=-2.0),
-     "loop_sampling=lognormal_poisson needs 1 <= loop_mean <= 1024 (model.MAX_LOOPS), got -2.0"),
-    (dict(loop_sampling="poisson"), "unknown loop_sampling 'poisson'; choose one of fixed, uniform, lognormal_poisson"),
-    (dict(loop_mean=2.0), "loop_mean only applies to loop_sampling=lognormal_poisson, not fixed"),
-    (dict(loop_sampling="lognormal_poisson", loop_mean=2.0, loop_max=4),
-     "loop_min and loop_max only apply to loop_sampling=uniform, not lognormal_poisson"),
-    (dict(backprop_loops=-1), "backprop_loops must be >= 0 (0 = through every loop), got -1"),
-])
-def test_impossible_loop_distributions_are_rejected(settings, message):
-    with pytest.raises(ValueError) as error:
-        TrainLoops(**settings)
-    assert str(error.value) == message
-
-
-def test_backprop_through_the_last_loops_equals_the_gradient_of_those_visits_alone():
-    """Truncated backprop through the last k of R loops, against a hand computation: every visit runs the block with
-    its own leaf copy of the weights (as loop_diagnostics does), so autograd hands back each visit's contribution;
-    the truncated gradient of a block is the sum over the last k loops' visits, and nothing reaches the position
-    embedding, which only the untracked first visits read."""
-    torch.manual_seed(0)
-    model = GPT(tiny(n_layer=2, n_loop=2))
-    idx = torch.randint(0, 128, (2, 16))
-    targets = torch.roll(idx, -1, 1)
-    R, k = 4, 1  # run at 4 loops, gradients through the last one
-    model(idx, targets, n_loop=R, backprop_loops=k)[1].backward()
-
-    x = model._embed(idx)
-    visit_params = []
-    for block in model._visits(R):
-        params = {name: p.detach().requires_grad_() for name, p in block.named_parameters()}
-        x = functional_call(block, params, (x, None, None))
-        visit_params.append(params)
-    loss = model._loss(model.lm_head(model.transformer.ln_f(x)), targets)
-    grads = torch.autograd.grad(loss, [p for params in visit_params for p in params.values()])
-    n = len(visit_params[0])
-    per_visit = [dict(zip(params, grads[v * n:(v + 1) * n])) for v, params in enumerate(visit_params)]
-    for b, block in enumerate(model.transformer.h):
-        for name, p in block.named_parameters():
-            expected = sum(per_visit[r * 2 + b][name] for r in range(R - k, R))
-            torch.testing.assert_close(p.grad, expected, rtol=1e-5, atol=1e-7, msg=name)
-    assert model.transformer.wpe.weight.grad is None and model.transformer.ln_e.weight.grad is None
-
-    # k >= R loops: every visit tracked, the ordinary gradient
-    model.zero_grad()
-    model(idx, targets, n_loop=R, backprop_loops=R)[1].backward()
-    full = {name: p.grad.clone() for name, p in model.named_parameters()}
-    model.zero_grad()
-    model(idx, targets, n_loop=R)[1].backward()
-    for name, p in model.named_parameters():
-        assert torch.equal(p.grad, full[name]), name
-
-
-HUGINN = dict(n_prelude=1, n_coda=2)  # blocks run once before and after the looped core
 
 
 @pytest.mark.parametrize("backbone", [{}, PAPER, dict(residual="preln")], ids=["gpt2", "paper", "preln"])
@@ -693,7 +534,7 @@ def test_defaults_are_the_plain_stack_bit_for_bit(backbone):
         x = t.wte(idx) + t.wpe(torch.arange(12)) if t.wpe is not None else t.wte(idx)
         x = t.ln_e(x)
         for block in [*t.h] * loops:
-            x = block(x, None, model._rope(0, 12))
+            x = block(x, None)
         assert torch.equal(model(idx, n_loop=loops)[0], model.lm_head(t.ln_f(x)))
 
 
@@ -704,26 +545,26 @@ def test_prelude_and_coda_count_once_in_the_depth_of_every_coefficient(P, L, R, 
     assert tiny(**cfg).unrolled_depth == N
     model = GPT(tiny(**cfg))
     assert (model.alpha, model.beta) == pytest.approx((math.sqrt(2 * N), 1 / math.sqrt(8 * N)))
-    assert all(block.alpha == model.alpha for block in model._visits(1))
+    assert all(block.alpha == model.alpha for block in physical_blocks(model))
     # alpha and beta from coefficient_loops instead of n_loop: the prelude and coda still count once
     assert GPT(tiny(coefficient_loops=5, **cfg)).alpha == pytest.approx(math.sqrt(2 * (P + L * 5 + C)))
     # the rival's epsilon: every distinct block under the square root, the core's loops outside it
     rival = GPT(tiny(residual="preln_scaled", residual_lambda=2.0, **cfg))
     assert rival.epsilon == pytest.approx(2.0 / (R * math.sqrt(P + L + C)))
-    assert all(block.epsilon == rival.epsilon for block in rival._visits(1))
+    assert all(block.epsilon == rival.epsilon for block in physical_blocks(rival))
     # Pre-LN's scaled init, in the prelude and coda blocks too (wide, so the sample std is near the true one)
     torch.manual_seed(0)
     preln = GPT(tiny(residual="preln", n_embd=256, n_head=4, **cfg))
-    for block in preln._visits(1):
+    for block in physical_blocks(preln):
         assert block.mlp.c_proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(2 * N), rel=0.03)
     # DeepNorm's beta in every block
     torch.manual_seed(0)
     deep = GPT(tiny(residual="deepnorm", n_embd=256, n_head=4, **cfg))
-    for block in deep._visits(1):
+    for block in physical_blocks(deep):
         assert block.mlp.c_fc.weight.std().item() == pytest.approx(0.02 * (8 * N) ** -0.25, rel=0.03)
 
 
-@pytest.mark.parametrize("loop_input", LOOP_INPUTS)
+@pytest.mark.parametrize("loop_input", CHOICES["loop_input"])
 @pytest.mark.parametrize("residual", ["deeploop", "preln"])
 def test_parameter_count_with_a_prelude_and_coda_does_not_depend_on_n_loop(residual, loop_input):
     counts = {n_loop: GPT(tiny(residual=residual, n_loop=n_loop, loop_input=loop_input, **HUGINN)).num_params()
@@ -750,28 +591,22 @@ def test_forward_runs_the_prelude_then_the_core_n_loop_times_then_the_coda():
     assert order == ["p0", "h0", "h1", "in", "h0", "h1", "in", "h0", "h1", "c0", "c1"]
 
 
-@pytest.mark.parametrize("loop_input", LOOP_INPUTS)
-@pytest.mark.parametrize("backbone", [{}, PAPER, dict(residual="preln"), dict(residual="preln", **PAPER)],
-                         ids=["gpt2", "paper", "preln", "preln-rope"])
+@pytest.mark.parametrize("loop_input", CHOICES["loop_input"])
+@pytest.mark.parametrize("backbone", HUGINN_BACKBONES.values(), ids=list(HUGINN_BACKBONES))
 def test_cached_generation_equals_recomputing_with_a_prelude_coda_and_loop_input(loop_input, backbone):
     torch.manual_seed(1)
-    model = GPT(tiny(n_loop=2, block_size=16, loop_input=loop_input, **HUGINN, **backbone)).eval()
-    with torch.no_grad():  # away from init, where concat's adapter ignores e
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    model = perturbed(GPT(tiny(n_loop=2, block_size=16, loop_input=loop_input, **HUGINN, **backbone)))
     prompt = torch.randint(0, 128, (2, 5))
     for n_loop in (None, 3):
         cached = model.generate(prompt, 25, top_k=1, n_loop=n_loop)  # past block_size 16: the window slides
         assert torch.equal(cached, model.generate(prompt, 25, top_k=1, n_loop=n_loop, use_cache=False))
-    cache = [KVCache() for _ in model._visits(3)]
+    cache = model.new_caches(3)
     assert len(cache) == 1 + 2 * 3 + 2  # one entry per unrolled visit
-    model(prompt, n_loop=3, kv_cache=cache)
+    model(prompt, n_loop=3, caches=cache)
     assert all(c.past == 5 for c in cache)
-    assert model.decode_step_bytes(1, 10, 4, n_loop=3) - model.decode_step_bytes(1, 10, 4, n_loop=2) == \
-        4 * 2 * 2 * 10 * 32  # the 2 visits of one more loop
 
 
-@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("norm", CHOICES["norm"])
 @pytest.mark.parametrize("residual", ["deeploop", "preln"])
 def test_concat_at_init_passes_the_state_through(residual, norm):
     torch.manual_seed(0)
@@ -791,60 +626,6 @@ def test_concat_at_init_passes_the_state_through(residual, norm):
     plain.load_state_dict({k: v for k, v in model.state_dict().items() if "inject" not in k})
     idx = torch.randint(0, 128, (2, 12))
     torch.testing.assert_close(model(idx)[0], plain(idx)[0], rtol=0, atol=1e-4)
-
-
-@pytest.mark.parametrize("loop_input", LOOP_INPUTS)
-def test_backprop_loops_with_a_prelude_and_coda(loop_input):
-    """Truncated backprop through the last k of R core loops, against a hand computation with a leaf copy of the
-    core's weights per visit and of the embedded input e per loop: a core block gets the sum over the kept loops'
-    visits; the prelude gets what the kept loops' reads of e send it, which is nothing with loop_input none (the
-    first loop alone reads e, untracked): the prelude, position embedding and ln_e then learn nothing, as without a
-    prelude. The coda, after the loops, gets its full gradient."""
-    torch.manual_seed(0)
-    model = GPT(tiny(n_layer=2, n_loop=2, loop_input=loop_input, **HUGINN))
-    with torch.no_grad():  # away from init, where concat's adapter ignores e
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    t = model.transformer
-    idx = torch.randint(0, 128, (2, 16))
-    targets = torch.roll(idx, -1, 1)
-    R, k = 4, 2
-    model(idx, targets, n_loop=R, backprop_loops=k)[1].backward()
-    truncated = {name: p.grad for name, p in model.named_parameters()}
-    model.zero_grad()
-    model(idx, targets, n_loop=R)[1].backward()
-    full = {name: p.grad for name, p in model.named_parameters()}
-
-    e = t.prelude[0](model._embed(idx))
-    x, reads, visit_params = None, [], []
-    for r in range(R):
-        reads.append(e.detach().requires_grad_())
-        x = reads[r] if x is None else x if t.inject is None else t.inject(x, reads[r])
-        for block in t.h:
-            visit_params.append({name: p.detach().requires_grad_() for name, p in block.named_parameters()})
-            x = functional_call(block, visit_params[-1], (x, None, None))
-    loss = model._loss(model.lm_head(t.ln_f(model._run(t.coda, x, [None, None], None))), targets)
-    grads = torch.autograd.grad(loss, reads + [p for params in visit_params for p in params.values()],
-                                allow_unused=True)
-    n = len(visit_params[0])
-    per_visit = [dict(zip(params, grads[R + v * n:R + (v + 1) * n])) for v, params in enumerate(visit_params)]
-    for b, block in enumerate(t.h):
-        for name, p in block.named_parameters():
-            expected = sum(per_visit[r * 2 + b][name] for r in range(R - k, R))
-            torch.testing.assert_close(truncated[f"transformer.h.{b}.{name}"], expected, rtol=1e-4, atol=1e-7)
-    kept_reads = [grads[r] for r in range(R - k, R) if grads[r] is not None]
-    prelude = dict(t.prelude.named_parameters())
-    if loop_input == "none":
-        assert not kept_reads
-        assert all(truncated[f"transformer.prelude.{name}"] is None for name in prelude)
-        assert truncated["transformer.wpe.weight"] is None and truncated["transformer.ln_e.weight"] is None
-    else:
-        expected = torch.autograd.grad(e, list(prelude.values()), sum(kept_reads))
-        for (name, _), g in zip(prelude.items(), expected):
-            torch.testing.assert_close(truncated[f"transformer.prelude.{name}"], g, rtol=1e-4, atol=1e-8)
-        assert truncated["transformer.wpe.weight"].abs().sum() > 0
-    for name in dict(t.coda.named_parameters()):
-        torch.testing.assert_close(truncated[f"transformer.coda.{name}"], full[f"transformer.coda.{name}"])
 
 
 @pytest.mark.parametrize("loop_input", ["none", "concat"])
@@ -870,300 +651,3 @@ def test_bad_prelude_coda_and_loop_input_are_rejected(kw, message):
     with pytest.raises(ValueError) as e:
         tiny(**kw)
     assert str(e.value) == message
-
-
-def test_linear_probe_reads_a_label_that_the_features_hold_and_not_one_they_do_not():
-    g = torch.Generator().manual_seed(0)
-    labels = torch.randint(0, 24, (1024,), generator=g)
-    fit = torch.arange(1024) < 512
-    codes = torch.randn(24, 16, generator=g)  # 24 classes in 16 dimensions: not one-hot, still linearly apart
-    holds = codes[labels] * 1e3 + 30 * torch.randn(1024, 16, generator=g)  # the scale does not matter
-    assert linear_probe(holds, labels, fit) == 1.0
-    # features independent of the labels: no better than the most frequent held-out label (chance is 1/24)
-    unrelated = torch.randn(1024, 16, generator=g)
-    assert linear_probe(unrelated, labels, fit) <= torch.bincount(labels[~fit]).max().item() / 512 + 0.02
-    # a label that only the scored rows show is never predicted: it counts as missed
-    labels[~fit] = 99
-    assert linear_probe(holds, labels, fit) == 0.0
-
-
-def test_loop_diagnostics_probe_what_the_stream_holds_after_each_visit():
-    torch.manual_seed(0)
-    model = GPT(tiny(n_layer=2, n_loop=2, residual="preln", vocab_size=16))  # 16 tokens, 32 positions in 32 dims
-    idx = torch.randint(0, 16, (16, 32))
-    diag = model.loop_diagnostics(idx, torch.roll(idx, -1, 1))
-    # the embedded input and, at init, every visit's output still tell the token and position apart
-    assert diag["token_probe"] == [1.0] * 5 and diag["position_probe"] == [1.0] * 5
-    # a Post-LN block whose last norm has no gain writes its bias, one vector for all positions: nothing to read
-    model = GPT(tiny(n_layer=2, n_loop=2, residual="postln", vocab_size=16))
-    with torch.no_grad():
-        model.transformer.h[1].ln_2.weight.zero_()
-        model.transformer.h[1].ln_2.bias.normal_()
-    diag = model.loop_diagnostics(idx, torch.roll(idx, -1, 1))
-    assert diag["token_probe"][:2] == [1.0, 1.0] and max(diag["token_probe"][2:]) < 0.2
-    assert max(diag["position_probe"][2:]) < 0.2
-
-
-def perturbed(model, scale=0.05):
-    """The model moved away from init (where concat's adapter ignores e and Post-LN loops barely change the state)."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * torch.randn_like(p))
-    return model.eval()
-
-
-def reference_exit_generation(model, prompt, steps, threshold, max_loops, kv_cache="per_visit"):
-    """Adaptive exit applied plainly to one sequence (prompt: a list of ids), greedy -> (new tokens, loops of each).
-    Nothing is kept between uses but each position's block inputs ("sources"); a block's keys and values of earlier
-    positions are recomputed from them at every use: for core block b at loop r from the input position w had there
-    at loop min(r, exit_w) (last_loop: at exit_w), for coda block c from its input in the coda's run at w's exit.
-    A position exits at the first loop r >= 1 whose distribution is within threshold of loop r - 1's (loop 0: the
-    embedded input's), or at max_loops. The prompt, and the window once the context outgrows block_size, run as one
-    pass: every position through every loop, reading the others at the same loop."""
-    t, bs = model.transformer, model.config.block_size
-    source_loop = (lambda r, exit: min(r, exit)) if kv_cache == "per_visit" else (lambda r, exit: exit)
-
-    def kl(log_p, log_q):
-        return (log_p.exp() * (log_p - log_q)).sum(-1)
-
-    def parallel(ids):
-        T = len(ids)
-        rope = model._rope(0, T)
-        src = [{} for _ in range(T)]
-        x = model._embed(torch.tensor([ids]))
-        for i, block in enumerate(t.prelude):
-            for w in range(T):
-                src[w]["p", i] = x[0, w]
-            x = block(x, None, rope)
-        e = x
-
-        def readout(state):
-            inputs, x = [], state
-            for block in t.coda:
-                inputs.append(x)
-                x = block(x, None, rope)
-            logits = model.lm_head(t.ln_f(x))
-            return logits, F.log_softmax(logits.float(), -1), inputs
-
-        log_p = readout(e)[1]
-        exits, state = [0] * T, None
-        for r in range(1, max_loops + 1):
-            x = model._loop_input(state, e)
-            for b, block in enumerate(t.h):
-                for w in range(T):
-                    src[w]["h", r, b] = x[0, w]
-                x = block(x, None, rope)
-            state = x
-            logits, new_log_p, coda_inputs = readout(state)
-            divergence = kl(new_log_p, log_p)[0]
-            for w in range(T):
-                if not exits[w] and (divergence[w] < threshold or r == max_loops):
-                    exits[w] = r
-                    src[w].update({("c", c): inputs[0, w] for c, inputs in enumerate(coda_inputs)})
-                    if w == T - 1:
-                        last = logits[0, w]
-            log_p = new_log_p
-        return src, exits, last
-
-    def decode(ids, src, exits):
-        u = len(ids) - 1  # the new position; 0..u-1 are known by their sources
-
-        def run(block, x, sources):
-            cache = KVCache()
-            block(torch.stack(sources)[None], cache, model._rope(0, u))  # the earlier positions' keys and values
-            return block(x, cache, model._rope(u, 1))
-
-        mine = {}
-        x = model._embed(torch.tensor([[ids[u]]]), u)
-        for i, block in enumerate(t.prelude):
-            mine["p", i] = x[0, 0]
-            x = run(block, x, [src[w]["p", i] for w in range(u)])
-        e = x
-
-        def readout(state):
-            inputs, x = [], state
-            for c, block in enumerate(t.coda):
-                inputs.append(x[0, 0])
-                x = run(block, x, [src[w]["c", c] for w in range(u)])
-            logits = model.lm_head(t.ln_f(x))[0, 0]
-            return logits, F.log_softmax(logits.float(), -1), inputs
-
-        log_p, state = readout(e)[1], None
-        for r in range(1, max_loops + 1):
-            x = model._loop_input(state, e)
-            for b, block in enumerate(t.h):
-                mine["h", r, b] = x[0, 0]
-                x = run(block, x, [src[w]["h", source_loop(r, exits[w]), b] for w in range(u)])
-            state = x
-            logits, new_log_p, coda_inputs = readout(state)
-            if kl(new_log_p, log_p) < threshold or r == max_loops:
-                mine.update({("c", c): inputs for c, inputs in enumerate(coda_inputs)})
-                src.append(mine)
-                exits.append(r)
-                return logits, r
-            log_p = new_log_p
-
-    ids, tokens, loops = list(prompt), [], []
-    with torch.no_grad():
-        for step in range(steps):
-            if step == 0 or len(ids) > bs:
-                src, exits, logits = parallel(ids[-bs:])
-                used = exits[-1]
-            else:
-                logits, used = decode(ids, src, exits)
-            ids.append(logits.argmax().item())
-            tokens.append(ids[-1])
-            loops.append(used)
-    return tokens, loops
-
-
-EXIT_ARCHS = {"gpt2": {}, "preln-rope": dict(residual="preln", position_encoding="rope"),
-              "huginn": dict(residual="preln", loop_input="concat", **HUGINN)}
-
-
-@pytest.mark.parametrize("kv_cache", KV_CACHES)
-@pytest.mark.parametrize("arch", EXIT_ARCHS, ids=list(EXIT_ARCHS))
-def test_adaptive_exit_generation_equals_a_plain_reference(arch, kv_cache):
-    """Batched, cached generation with adaptive exit: the tokens and each token's loops equal the reference, row by
-    row, also past block_size (the window slides); threshold 0 (the fixed-depth path) too."""
-    torch.manual_seed(2)
-    model = perturbed(GPT(tiny(n_loop=2, block_size=12, **EXIT_ARCHS[arch])).double(), 0.1)
-    prompt = torch.randint(0, 128, (2, 5))
-    spread = set()
-    for threshold in (0.0, 0.003, 0.02):
-        used = []
-        out = model.generate(prompt, 11, top_k=1, n_loop=5, exit_threshold=threshold, kv_cache=kv_cache,
-                             loops_used=used)
-        for row in range(2):
-            tokens, loops = reference_exit_generation(model, prompt[row].tolist(), 11, threshold, 5, kv_cache)
-            assert out[row, 5:].tolist() == tokens
-            if threshold:
-                assert [u[row].item() for u in used] == loops
-                spread.update(loops)
-    assert len(spread) > 2, spread  # the tokens did exit at several loop counts
-
-
-@pytest.mark.parametrize("arch", EXIT_ARCHS, ids=list(EXIT_ARCHS))
-def test_exit_threshold_zero_is_fixed_n_loop_and_one_that_every_kl_passes_is_one_loop(arch):
-    torch.manual_seed(3)
-    model = perturbed(GPT(tiny(n_loop=2, **EXIT_ARCHS[arch])))
-    idx = torch.randint(0, 128, (2, 12))
-    targets = torch.roll(idx, -1, 1)
-    with torch.no_grad():
-        for threshold, loops, fixed in ((0.0, 3, 3), (math.inf, 4, 1)):
-            logits, loss, used = model.exit_logits(idx, threshold, loops, targets)
-            assert torch.equal(used, torch.full_like(idx, fixed))
-            expected, expected_loss = model(idx, targets, n_loop=fixed)
-            assert torch.equal(logits, expected) and torch.equal(loss, expected_loss)
-    prompt = idx[:, :5]
-    for kv_cache in KV_CACHES:
-        used = []
-        every = model.generate(prompt, 20, top_k=1, n_loop=4, exit_threshold=math.inf, kv_cache=kv_cache,
-                               loops_used=used)
-        assert torch.equal(every, model.generate(prompt, 20, top_k=1, n_loop=1))  # token for token, past block_size
-        assert torch.equal(torch.stack(used), torch.ones(20, 2, dtype=torch.long))
-    assert torch.equal(model.generate(prompt, 20, top_k=1, n_loop=3, exit_threshold=0.0),
-                       model.generate(prompt, 20, top_k=1, n_loop=3))
-
-
-@pytest.mark.parametrize("arch", EXIT_ARCHS, ids=list(EXIT_ARCHS))
-def test_last_loop_cache_holds_one_entry_per_block_and_equals_per_visit_at_one_loop(arch):
-    torch.manual_seed(4)
-    model = perturbed(GPT(tiny(n_loop=2, block_size=16, **EXIT_ARCHS[arch])))
-    prompt = torch.randint(0, 128, (2, 5))
-    per_visit, last_loop = (model.generate(prompt, 25, top_k=1, n_loop=1, kv_cache=c) for c in KV_CACHES)
-    assert torch.equal(per_visit, last_loop)
-    torch.manual_seed(5)
-    sampled = model.generate(prompt, 10, n_loop=1, kv_cache="last_loop")
-    torch.manual_seed(5)
-    assert torch.equal(sampled, model.generate(prompt, 10, n_loop=1))
-    # memory: the buffers that a cache allocates, against kv_cache_bytes; last_loop's do not grow with n_loop
-    cfg = model.config
-    for n_loop in (1, 4):
-        for kv_cache in KV_CACHES:
-            cache = model.new_kv_cache(n_loop, kv_cache)
-            with torch.no_grad():
-                model(prompt, n_loop=n_loop, kv_cache=cache)
-            stores = {id(c.store): c.store for c in cache}.values()
-            allocated = sum(s.k.nbytes + s.v.nbytes for s in stores)
-            assert allocated == model.kv_cache_bytes(2, cfg.block_size, 4, n_loop, kv_cache)
-            entries = cfg.depth(n_loop) if kv_cache == "per_visit" else cfg.depth(1)
-            assert len(stores) == entries
-    # at 3 loops the prompt, whose positions run their loops together, is exact; a decoded token is not
-    with torch.no_grad():
-        steps = {}
-        for kv_cache in KV_CACHES:
-            cache = model.new_kv_cache(3, kv_cache)
-            steps[kv_cache] = (model(prompt, n_loop=3, kv_cache=cache)[0], model(prompt[:, :1], n_loop=3,
-                                                                               kv_cache=cache)[0])
-        assert torch.equal(steps["per_visit"][0], steps["last_loop"][0])
-        assert (steps["per_visit"][1] - steps["last_loop"][1]).abs().max() > 1e-3
-
-
-GPT_LOOP = GPT.loop  # as model.py has it, whatever agree_after has patched
-
-
-def agree_after(monkeypatch, m):
-    """Make every GPT's loops agree after m loops: m an int, or a (T,) tensor, one count per position of a pass that
-    starts at position 0. A loop leaves the state e + min(r, m) * d (d a fixed direction) in place of what its
-    blocks computed (they still run on the state they get, and fill the cache), so the state, and with it p_r, is
-    the same from loop m on: loop m + 1 is the first whose KL to its predecessor is 0."""
-    count = [0]
-
-    def loop(self, state, e, caches, rope):
-        GPT_LOOP(self, state, e, caches, rope)
-        count[0] = 1 if state is None else count[0] + 1
-        steps = torch.as_tensor(m).clamp(max=count[0]).to(e.dtype)[..., None]
-        direction = torch.randn(e.size(-1), generator=torch.Generator().manual_seed(0)).to(e.dtype)
-        return e + steps * e.std() * direction
-
-    monkeypatch.setattr(GPT, "loop", loop)
-
-
-@pytest.mark.parametrize("arch", EXIT_ARCHS, ids=list(EXIT_ARCHS))
-def test_loops_reported_are_those_of_a_model_whose_loops_agree_after_a_known_count(arch, monkeypatch):
-    torch.manual_seed(6)
-    model = perturbed(GPT(tiny(**EXIT_ARCHS[arch])))
-    m = 1 + torch.arange(12) % 4  # 1..4 by position
-    agree_after(monkeypatch, m)
-    # a coda reads the other positions' states at the same loop: a position's p_r settles once every position up
-    # to it has settled
-    settled = m.cummax(0).values if model.config.n_coda else m
-    with torch.no_grad():
-        _, _, loops = model.exit_logits(torch.randint(0, 128, (2, 12)), 1e-9, n_loop=8)
-        assert torch.equal(loops, (settled + 1).expand(2, 12))
-        loops = model.exit_logits(torch.randint(0, 128, (2, 12)), 1e-9, n_loop=3)[2]  # at most n_loop
-        assert torch.equal(loops, (settled + 1).clamp(max=3).expand(2, 12))
-    agree_after(monkeypatch, 3)
-    used = []
-    model.generate(torch.randint(0, 128, (2, 5)), 6, top_k=1, n_loop=8, exit_threshold=1e-9, loops_used=used)
-    assert torch.equal(torch.stack(used), torch.full((6, 2), 4))
-
-
-def test_bad_exit_and_cache_settings_are_rejected():
-    model = GPT(tiny(n_loop=2))
-    idx = torch.zeros(1, 4, dtype=torch.long)
-    for kw, message in ((dict(exit_threshold=-0.1), "exit_threshold must be >= 0 (0 = off: every position runs "
-                                                    "n_loop loops), got -0.1"),
-                        (dict(exit_threshold=math.nan), "exit_threshold must be >= 0 (0 = off: every position runs "
-                                                        "n_loop loops), got nan"),
-                        (dict(exit_threshold=1e-3, n_loop=-1), "n_loop, the most loops a position runs with "
-                                                               "adaptive exit, must be from 1 to 1024 "
-                                                               "(model.MAX_LOOPS), got -1"),
-                        (dict(exit_threshold=1e-3, n_loop=5000), "n_loop, the most loops a position runs with "
-                                                                 "adaptive exit, must be from 1 to 1024 "
-                                                                 "(model.MAX_LOOPS), got 5000")):
-        with pytest.raises(ValueError) as e:
-            model.exit_logits(idx, **kw)
-        assert str(e.value) == message
-        with pytest.raises(ValueError) as e:
-            model.generate(idx, 3, **kw)
-        assert str(e.value) == message
-    with pytest.raises(ValueError) as e:
-        model.generate(idx, 3, kv_cache="last")
-    assert str(e.value) == "unknown kv_cache 'last'; choose one of per_visit, last_loop"
-    for kw in (dict(exit_threshold=1e-3), dict(kv_cache="last_loop")):
-        with pytest.raises(ValueError) as e:
-            model.generate(idx, 3, use_cache=False, **kw)
-        assert str(e.value) == ("adaptive exit (exit_threshold > 0) and kv_cache=last_loop work on the KV cache: use "
-                                "use_cache=True")
