@@ -184,8 +184,8 @@ def visit_kappa(untied, n_layer, idx, targets):
 
 
 def moving_parameters(model, moving):
-    """{name: parameter} that a step moves: the core blocks' matrices (what alpha and beta scale, and what DeepNet's
-    bound counts), the core's blocks (with their norms' gains and the biases), or every parameter."""
+    """{name: parameter} that a step moves: the core blocks' matrices (what alpha and beta scale), the core's blocks
+    (with their norms' gains and the biases), or every parameter."""
     if moving not in MOVING:
         raise ValueError(f"unknown moving {moving!r}; choose one of {', '.join(MOVING)}")
     core = {id(p) for p in core_blocks(model).parameters() if moving == "blocks" or p.dim() >= 2}
@@ -414,7 +414,8 @@ def run_key(run):
 def train_table(runs, S):
     """Markdown: per (scheme, R, warmup, model), means over seeds: the per-step change of the logits over windows of
     steps, each seed's peak (and its step), the fixed batch's loss at the end and how many seeds sit on the task's
-    plateau (ln n_values: the same answer at every cell), kappa_R at the last record."""
+    plateau (ln n_values: the same answer at every cell), kappa_R at the last record (looped models only: an untied
+    one has no visits to align)."""
     edges = [e for e in (0, 10, 50, 100, 200, 300, 500, 1000) if e < S["max_iters"]] + [S["max_iters"]]
     windows = list(zip(edges[:-1], edges[1:]))
     plateau = math.log(CHAINS["n_values"]) if S["dataset"] == "chains" else None
@@ -429,7 +430,7 @@ def train_table(runs, S):
         stuck = f"{sum(abs(recs[-1]['fixed_loss'] - plateau) < 0.02 for recs in group)} of {len(group)}" \
             if plateau else "—"
         kappas = [[x["kappa"] for x in recs if "kappa" in x] for recs in group]
-        kappa = f"{mean_sd([k[-1] for k in kappas])[0]:.2f}" if all(kappas) else "—"
+        kappa = f"{mean_sd([k[-1] for k in kappas])[0]:.2f}" if all(kappas) and key[3] == "tied" else "—"
         lines.append(f"| {' | '.join(map(str, key))} | " + " | ".join(f"{m:.3g}" for m in means) +
                      f" | {peaks} | {end[0]:.3f} ± {end[1]:.3f} | {stuck} | {kappa} |")
     return "\n".join(lines)

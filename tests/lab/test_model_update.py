@@ -118,7 +118,8 @@ def test_train_mode_takes_train_py_steps(tmp_path):
     assert [x["loss"] for x in run["records"]] == logged
     assert [x["iter"] for x in run["records"] if "kappa" in x] == [0, 2]
     assert all(x["logits"] > 0 for x in run["records"])
-    assert r.stdout.startswith("| scheme | R | warmup | model | steps 0-2 |") and "| postln | 2 | 100 | tied |" in r.stdout
+    assert r.stdout.startswith("| scheme | R | warmup | model | steps 0-2 |")
+    assert "| postln | 2 | 100 | tied |" in r.stdout
     assert (tmp_path / "train.png").stat().st_size > 10000
 
 
