@@ -44,6 +44,7 @@ from configurator import configure, die
 from dataset import EVAL_SEED, TokenWindows, load_meta
 from model import GPT, GPTConfig
 from prepare_data import prepare_builtin_if_missing
+from lab.probes import loop_diagnostics
 from lab.tasks import PointerChains
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -277,7 +278,7 @@ def train_updates(model, train_batch, fixed, max_iters, schedule, weight_decay=0
         x, y = train_batch(it)
         record = dict(iter=it, lr=lr)
         if kappa_interval and it % kappa_interval == 0:
-            diagnostics = model.loop_diagnostics(x, y)
+            diagnostics = loop_diagnostics(model, x, y)
             record.update(kappa=sum(diagnostics["kappa"]) / len(diagnostics["kappa"]),
                           token_probe=diagnostics["token_probe"][-1])
         start = [p.detach().clone() for p in core]

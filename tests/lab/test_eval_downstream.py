@@ -328,4 +328,4 @@ def test_a_checkpoint_of_the_depth_task_points_to_depth_eval(tmp_path, monkeypat
     torch.save(checkpoint, out_dir / "ckpt.pt")
     line = one_line_error(*run_script([f"--out_dir={out_dir}", "--tasks=mc"], monkeypatch, capsys))
     assert line == (f"error: {out_dir} was trained on the chains task, not on text: show its answers with python "
-                    f"depth_eval.py --out_dir={out_dir}")
+                    f"-m lab.depth_eval --out_dir={out_dir}")
