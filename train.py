@@ -11,34 +11,24 @@ Baselines are overrides:  --residual=deepnorm  (DeepNorm's exponents)  --n_loop=
 The settings are the module-level variables below; config files and --key=value overrides change them
 (configurator.py). A run writes to out_dir: ckpt.pt (at every evaluation), metrics.jsonl, and train.lock, held while
 it runs so that a second train.py on the same out_dir stops at once (sample.py and eval_downstream.py only read).
-
-Preemption: SIGTERM (what a cluster's scheduler sends before it kills a job) and SIGINT (Ctrl-C) let the current
-step finish; then the run writes ckpt.pt, prints the command that resumes it and exits with code 75 (STOPPED). A
-second signal, a second or more later, stops at once; ckpt.pt is only ever replaced whole, so the previous one stays.
+SIGTERM or Ctrl-C: the step under way finishes, ckpt.pt is written, and the run exits with code 75 (guard.py).
 """
 
-import atexit
 import dataclasses
-import fcntl
-import json
 import math
 import os
 import random
-import shlex
-import signal
-import socket
 import sys
 import time
-import traceback
 from contextlib import nullcontext
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from runtime import default_peak_flops, precision, rng_states, set_rng_states, tune_malloc
+import guard
 from configurator import configure, die
 from dataset import EVAL_SEED, TokenWindows, load_meta
 from model import GPT, MAX_LOOPS, GPTConfig, TrainLoops
@@ -140,77 +130,12 @@ if not all(1 <= c <= MAX_LOOPS for c in eval_loop_counts):
     die(f"eval_loops must be loop counts from 1 to {MAX_LOOPS} separated by commas, like \"1,2,4\", got {eval_loops!r}")
 eval_loop_counts = sorted({n_loop, *eval_loop_counts})  # n_loop's val loss is the one that val_loss reports
 
-# Stopping on request. The handler only takes note; the training loop stops at the start of its next step, when
-# every DDP process has learnt of it (see agree). Before the loop there is nothing to save, and a signal stops at once.
-STOPPED = 75  # exit code of a run stopped by a signal after writing its checkpoint (sysexits' EX_TEMPFAIL: try later)
-stop_signal, stop_time, training = 0, 0.0, False
-
-
-def on_stop_signal(signum, frame):
-    global stop_signal, stop_time
-    # torchrun passes each signal it gets on to its processes, which may have had it already (Ctrl-C reaches every
-    # process of the terminal): a repeat within a second is the same request
-    if training and (not stop_signal or time.monotonic() - stop_time < 1):
-        stop_signal, stop_time = stop_signal or signum, stop_time or time.monotonic()
-        return
-    tmp_path = os.path.join(out_dir, "ckpt.pt.tmp")
-    if training and master and os.path.exists(tmp_path):
-        os.remove(tmp_path)  # a checkpoint being written: ckpt.pt is still the previous one, whole
-    when = "before training started" if not training else "without saving (a second signal)"
-    os.write(2, f"\nstopped by {signal.Signals(signum).name} {when}\n".encode())
-    os._exit(128 + signum)  # the shell's code for a process ended by this signal
-
-
-signal.signal(signal.SIGTERM, on_stop_signal)
-signal.signal(signal.SIGINT, on_stop_signal)
-
-# DDP: torchrun starts one process per device and tells each its RANK and WORLD_SIZE
-ddp = "RANK" in os.environ
-rank, world_size = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
-master = rank == 0  # the one process that prints, logs and writes files
-cpu_group = None  # the process group of agree(); on CPU the default one
-if ddp:
-    if device.startswith("cuda"):
-        # launchers other than torchrun may set RANK only; ranks are numbered node by node, a GPU each
-        device = f"cuda:{os.environ.get('LOCAL_RANK', rank % torch.cuda.device_count())}"
-        torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl", device_id=torch.device(device))
-        cpu_group = dist.new_group(backend="gloo")
-    else:
-        dist.init_process_group(backend="gloo")
-    # Every way out after this (an agreed stop, die(), an error, the end) tears the process group down while Python
-    # is still whole (atexit runs first at exit). Left to the interpreter's teardown, gloo's worker threads can drop
-    # the last collective's tensors after Python is gone, and the process aborts (SIGABRT) instead of exiting with
-    # its code; destroy_process_group joins those threads first.
-    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
-
-
-def agree(*flags):
-    """The largest value of each flag over all processes: a collective, which every process calls at the same
-    point, so that all of them take the same decision. On CUDA it runs over CPU tensors (a gloo group), so agreeing
-    never waits for the GPU's queued work."""
-    flags = torch.tensor(flags, dtype=torch.int64)
-    if ddp:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cpu_group)
-    return flags.tolist()
-
-
-def on_master(step):
-    """step() on the master only, and if it fails every process stops with it: the others would otherwise wait in
-    their next collective until its timeout (10 minutes or more). die() in step has printed its line already."""
-    code = 0
-    if master:
-        try:
-            step()
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-        except Exception:
-            traceback.print_exc()
-            code = 1
-    code, = agree(code)
-    if code:
-        sys.exit(code)
-
+# DDP: torchrun starts one process per device and tells each its RANK and WORLD_SIZE (guard.Processes)
+procs = guard.Processes()
+ddp, rank, world_size, master = procs.ddp, procs.rank, procs.world_size, procs.master
+# SIGTERM and SIGINT stop the run after the step under way, with a checkpoint; a second one at once (guard.py)
+stop = guard.StopSignals(os.path.join(out_dir, "ckpt.pt.tmp") if master else None)
+device = procs.start(device)
 
 if gradient_accumulation_steps % world_size:
     die(f"gradient_accumulation_steps={gradient_accumulation_steps} (the total over all processes) is not divisible "
@@ -226,30 +151,7 @@ if device_type == "cpu":
     torch.set_flush_denormal(True)
 
 
-def lock_out_dir():
-    """Make out_dir and hold out_dir/train.lock for as long as this process lives: a second train.py on the same
-    out_dir stops here. The OS releases an flock when its holder dies, even by SIGKILL, so a dead run blocks nothing."""
-    global lock_file
-    os.makedirs(out_dir, exist_ok=True)
-    lock_path = os.path.join(out_dir, "train.lock")
-    lock_file = open(lock_path, "a+")
-    try:
-        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock_file.seek(0)
-        holder = lock_file.read().strip() or "a process that has not written its pid yet"
-        die(f"{out_dir} is in use by another train.py ({holder}); wait for it to end, stop it with kill -TERM, or "
-            f"choose another --out_dir")
-    except OSError as e:  # e.g. Lustre mounted without -o flock
-        print(f"note: cannot lock {lock_path} ({e.strerror}): nothing keeps a second run out of {out_dir}")
-    lock_file.truncate(0)
-    lock_file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    lock_file.flush()
-    if os.path.exists(os.path.join(out_dir, "ckpt.pt.tmp")):
-        os.remove(os.path.join(out_dir, "ckpt.pt.tmp"))  # a checkpoint cut short by a killed run
-
-
-on_master(lock_out_dir)
+lock_file = procs.on_master(lambda: guard.lock_out_dir(out_dir))  # one run per out_dir
 # The reader is a pure function of (seed, split, index): the data position is the step number, which makes resuming
 # exact and lets DDP ranks split a step's micro-batches between them. Evaluation windows are fixed and the same in
 # every run on a dataset, whatever its seed, so that runs with other seeds or schemes are compared on the same text;
@@ -262,7 +164,7 @@ try:
         meta = dict(tokenizer=val_data.name, vocab_size=val_data.vocab_size)
     else:
         # builtin and builtin_bytes are made here when missing (by the master; the others wait for it)
-        on_master(lambda: prepare_builtin_if_missing(dataset))
+        procs.on_master(lambda: prepare_builtin_if_missing(dataset))
         data_dir = os.path.join("data", dataset)
         meta = load_meta(data_dir)  # a missing dataset: the error names the command that prepares it
         train_data = TokenWindows(data_dir, "train", block_size, seed)
@@ -340,46 +242,14 @@ ddp_model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type =
                 find_unused_parameters=backprop_loops > 0) if ddp else model
 
 
-def gather(obj):
-    """obj of every process, in rank order (a collective: all processes call it)."""
-    if not ddp:
-        return [obj]
-    objs = [None] * world_size
-    dist.all_gather_object(objs, obj)
-    return objs
-
-
 def save_checkpoint(evaluated):
-    """Write ckpt.pt atomically: to a temporary file, synced to disk, then renamed over the old one. A process killed
-    at any moment leaves either the previous checkpoint or the new one, never half a file. A failed write (a full
-    disk) removes the temporary file, keeps the previous checkpoint, and stops every process with one line."""
-    global saved_iter, saved_time
-    read_losses()  # the NaN guard: weights that a non-finite loss has spoiled are never saved
-    rng = gather(rng_states(device))
-
-    def write():
-        checkpoint = dict(program="deeploop-train", model=raw_model.state_dict(), model_args=model_args,
-                          tokenizer=meta["tokenizer"], optimizer=optimizer.state_dict(),
-                          scaler=scaler.state_dict() if scaler.is_enabled() else None, iter_num=iter_num,
-                          best_val_loss=best_val_loss, evaluated=evaluated, config={k: globals()[k] for k in config},
-                          rng=rng)
-        tmp_path = ckpt_path + ".tmp"
-        try:
-            with open(tmp_path, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp_path, ckpt_path)
-        except (OSError, RuntimeError) as e:
-            # torch.save reports a failed write as a RuntimeError, with the OSError as its __context__
-            error = e if isinstance(e, OSError) else e.__context__
-            if not isinstance(error, OSError):
-                raise
-            if os.path.exists(tmp_path):
-                os.remove(tmp_path)
-            fail_write(ckpt_path, error)
-    on_master(write)
-    saved_iter, saved_time = iter_num, time.monotonic()
+    pending.read()  # the NaN guard: weights that a non-finite loss has spoiled are never saved
+    rng = procs.gather(rng_states(device))  # every process's generators, so that each one's dropout resumes exactly
+    ckpt.save(procs, iter_num, lambda: dict(
+        program="deeploop-train", model=raw_model.state_dict(), model_args=model_args, tokenizer=meta["tokenizer"],
+        optimizer=optimizer.state_dict(), scaler=scaler.state_dict() if scaler.is_enabled() else None,
+        iter_num=iter_num, best_val_loss=best_val_loss, evaluated=evaluated, config={k: globals()[k] for k in config},
+        rng=rng))
 
 
 @torch.no_grad()
@@ -403,12 +273,11 @@ def estimate_loss():
                 if task and split == "val":
                     batch_hits, batch_counts = hits_by_k(val_data, logits.argmax(-1).cpu(), x, y)
                     hits[i], counts[i] = hits[i] + batch_hits, counts[i] + batch_counts
-        if ddp:
-            dist.all_reduce(totals)
+        procs.all_reduce(totals)
         losses[split + "_by_loops"] = dict(zip(loop_counts, (totals / eval_iters).tolist()))
         losses[split] = losses[split + "_by_loops"][n_loop]
         if task and split == "val":
-            hits, counts = torch.tensor(gather((hits.tolist(), counts.tolist())), dtype=torch.float64).sum(0)
+            hits, counts = torch.tensor(procs.gather((hits.tolist(), counts.tolist())), dtype=torch.float64).sum(0)
             accuracy = {loops: accuracy_by_k(h, c) for loops, h, c in zip(loop_counts, hits, counts)}
     model.train()
     return losses, accuracy
@@ -437,58 +306,19 @@ def get_lr(it):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
 
 
-def kept():
-    return f"{ckpt_path} keeps step {saved_iter}" if saved_iter is not None else "this run wrote no checkpoint yet"
-
-
 def stop_diverged(what, value, step):
     """A non-finite loss ends the run before anything is saved, so ckpt.pt keeps the last good state."""
-    pbar.close()
-    if master:
-        die(f"{what} is {value} at step {step}: training diverged; {kept()} (the last good state); lower "
-            f"learning_rate or raise warmup_iters")
-    sys.exit(2)
-
-
-def fail_write(path, error):
-    die(f"writing {path} failed at step {iter_num}: {error.strerror or error}; {kept()}; make room (or fix the "
-        f"folder) and resume with --init_from=resume")
-
-
-# The loss of each step stays on the device until a log line, the NaN guard or a checkpoint needs it: reading it
-# every step would make the host wait for the device every step
-pending_losses = []  # (step, sum of the step's micro-batch losses on this process)
-
-
-def read_losses():
-    """{step: mean loss} of the steps since the last read, over all processes, with one host-device sync for all of
-    them. The NaN guard: stops the run at the first non-finite one (a collective: all processes call it)."""
-    if not pending_losses:
-        return {}
-    sums = torch.stack([loss_sum for _, loss_sum in pending_losses])
-    if ddp:
-        dist.all_reduce(sums)
-    steps = [step for step, _ in pending_losses]
-    losses = {step: loss_sum / gradient_accumulation_steps for step, loss_sum in zip(steps, sums.tolist())}
-    pending_losses.clear()
-    for step, loss in losses.items():
-        if not math.isfinite(loss):
-            stop_diverged("train loss", loss, step)
-    return losses
+    procs.end(2, f"{what} is {value} at step {step}: training diverged; {ckpt.kept()} (the last good state); lower "
+                 f"learning_rate or raise warmup_iters", pbar)
 
 
 # logging
+metrics = guard.MetricsLog(os.path.join(out_dir, "metrics.jsonl"))  # the master's, which opens it
+
+
 def open_logs():
-    global metrics_file, peak_flops, peak_source, wandb
-    metrics_path = os.path.join(out_dir, "metrics.jsonl")
-    if init_from == "resume" and os.path.isfile(metrics_path):
-        with open(metrics_path, "rb+") as f:  # a record cut short by a run killed while writing it goes
-            whole = f.read().rfind(b"\n") + 1
-            if whole < f.seek(0, os.SEEK_END):
-                print(f"note: {metrics_path} ended in a record cut short; removed it")
-                f.truncate(whole)
-    # unbuffered: each record is one write, and a failed one is cut off again (log)
-    metrics_file = open(metrics_path, "ab" if init_from == "resume" else "wb", buffering=0)
+    global peak_flops, peak_source, wandb
+    metrics.open(append=init_from == "resume")
     peak_flops, peak_source = (peak_flops, "peak_flops") if peak_flops > 0 else default_peak_flops(device, dtype)
     if wandb_log:
         try:
@@ -498,27 +328,12 @@ def open_logs():
         wandb.init(project=wandb_project, name=wandb_run_name, config=config)
 
 
-on_master(open_logs)
-log_error = None  # the master's failed metrics write: every process stops at the next step (see the loop)
+procs.on_master(open_logs)
 
 
 def log(record):
-    """Append one JSON line to metrics.jsonl (and send the numbers to wandb). A failed write (a full disk) is cut off
-    again, so that the file never holds half a record, and the run stops at its next step."""
-    global log_error
-    if log_error:
-        return
-    line, end = (json.dumps(record) + "\n").encode(), metrics_file.tell()
-    try:
-        written = 0
-        while written < len(line):
-            written += metrics_file.write(line[written:])
-    except OSError as e:
-        metrics_file.truncate(end)
-        metrics_file.seek(end)
-        log_error = e
-        return
-    if wandb_log and record["type"] != "start":
+    """A record in metrics.jsonl (guard.MetricsLog), and its numbers sent to wandb."""
+    if metrics.write(record) and wandb_log and record["type"] != "start":
         numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "iter"}
         numbers.update({f"kappa_{b}": k for b, k in enumerate(record.get("loop", {}).get("kappa", []))})
         wandb.log({f"{record['type']}/{k}": v for k, v in numbers.items()}, step=record["iter"])
@@ -546,51 +361,35 @@ if master:
 # ---------------------------------------------------------------------------------------------------------------------
 # training loop. Step iter_num trains on micro-batches iter_num * gradient_accumulation_steps + 0, 1, ...; process
 # `rank` takes its accum_steps consecutive ones, so 2 processes x 2 micro-batches see what 1 process x 4 sees.
-first_iter, saved_iter = iter_num, iter_num if init_from == "resume" else None
-saved_time = time.monotonic()
+first_iter = iter_num
+ckpt = guard.CheckpointFile(ckpt_path, iter_num if init_from == "resume" else None)  # the step ckpt.pt holds
+pending = guard.PendingLosses(procs, gradient_accumulation_steps, stop_diverged)  # train losses, the NaN guard
 if master and init_from == "resume" and iter_num >= max_iters:
     print(f"{ckpt_path} is at step {iter_num} already; raise --max_iters to train on")
-
-
-def stop(signum):
-    """Every process ends here once ckpt.pt holds step iter_num; the master says how to resume."""
-    pbar.close()
-    if master:
-        command = [sys.argv[0]] + [a for a in sys.argv[1:] if not a.startswith("--init_from=")]
-        launcher = " (launched as this run was)" if ddp else ""
-        print(f"stopped by {signal.Signals(signum).name}: {ckpt_path} holds step {iter_num}; resume with: "
-              f"python {shlex.join(command)} --init_from=resume{launcher}", flush=True)
-    sys.exit(STOPPED)
-
-
 # a terminal gets a progress bar; a file or a CI log gets one plain line per log_interval instead
 bar = master and sys.stderr.isatty()
 pbar = tqdm(total=max_iters, initial=iter_num, disable=not bar, dynamic_ncols=True, desc="train")
 window_start, window_steps, window_flops = time.perf_counter(), 0, 0
-training = True
+stop.training = True
 while True:
     # Every process takes the same decisions at the same step: stop (a signal reached one of them, or the master
     # could not write metrics.jsonl), or write a time-based checkpoint
-    signum, checkpoint_due, failed = agree(
-        stop_signal, checkpoint_minutes > 0 and time.monotonic() - saved_time > checkpoint_minutes * 60,
-        log_error is not None)
-    if failed:
-        pbar.close()
-        if master:
-            fail_write(metrics_file.name, log_error)
-        sys.exit(2)
+    signum, checkpoint_due, log_failed = procs.agree(stop.signum, ckpt.due(checkpoint_minutes),
+                                                     metrics.error is not None)
+    if log_failed:
+        procs.end(2, master and ckpt.write_failed(metrics.path, metrics.error, iter_num), pbar)
     eval_due = iter_num % eval_interval == 0 or iter_num >= max_iters
     if signum or (checkpoint_due and not eval_due):
-        if saved_iter != iter_num:
+        if ckpt.step != iter_num:
             save_checkpoint(evaluated=False)
             if master and not signum:
                 tqdm.write(f"step {iter_num}: wrote {ckpt_path} ({checkpoint_minutes:g} minutes since the last one)")
         if signum:
-            stop(signum)
+            procs.end(guard.STOPPED, ckpt.stopped(signum, sys.argv, ddp), pbar)
     # Evaluate (and checkpoint) every eval_interval steps and at the end; a resumed run skips its first step's when
     # the run that wrote the checkpoint has already done and logged it.
     if eval_due and not (init_from == "resume" and iter_num == first_iter and evaluated):
-        read_losses()  # a non-finite train loss is named first, before the evaluation it spoils
+        pending.read()  # a non-finite train loss is named first, before the evaluation it spoils
         losses, accuracy = estimate_loss()
         for split in ("train", "val"):
             if not math.isfinite(losses[split]):
@@ -620,9 +419,9 @@ while True:
         window_start, window_steps, window_flops = time.perf_counter(), 0, 0  # evaluation time is not in tokens/s, MFU
         # a signal during the evaluation stops here: ckpt.pt holds this step, and another step would mean another
         # write within the scheduler's grace period
-        signum, = agree(stop_signal)
+        signum, = procs.agree(stop.signum)
         if signum and iter_num < max_iters:
-            stop(signum)
+            procs.end(guard.STOPPED, ckpt.stopped(signum, sys.argv, ddp), pbar)
     if iter_num >= max_iters:
         break
 
@@ -642,7 +441,7 @@ while True:
                 loss = ddp_model(x, y, n_loop=step_loops, backprop_loops=backprop_loops)[1]
             scaler.scale(loss / accum_steps).backward()
         loss_sum += loss.detach().float()
-    pending_losses.append((iter_num, loss_sum))
+    pending.add(iter_num, loss_sum)
     scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else math.inf)
     scaler.step(optimizer)
@@ -652,8 +451,8 @@ while True:
     # MFU counts the loops each step ran, the backward pass over its tracked loops only (model.flops_per_token)
     window_steps += 1
     window_flops += raw_model.flops_per_token(step_loops, backprop_loops) * tokens_per_iter
-    if iter_num % log_interval == 0 or len(pending_losses) >= 100:  # 100: the NaN guard looks at least that often
-        loss_value = read_losses()[iter_num]
+    if iter_num % log_interval == 0 or len(pending) >= 100:  # 100: the NaN guard looks at least that often
+        loss_value = pending.read()[iter_num]
         if master and iter_num % log_interval == 0:
             dt = (time.perf_counter() - window_start) / window_steps  # seconds per step since the last record
             tokens_per_sec = tokens_per_iter / dt
@@ -673,8 +472,8 @@ while True:
 
 pbar.close()
 if master:
-    if log_error:
-        fail_write(metrics_file.name, log_error)
-    metrics_file.close()
+    if metrics.error:
+        die(ckpt.write_failed(metrics.path, metrics.error, iter_num))
+    metrics.close()
     if wandb_log:
         wandb.finish()
