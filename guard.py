@@ -111,27 +111,32 @@ class Processes:
             sys.exit(code)
         return result
 
-    def end(self, code, message, bar):
-        """Every process ends here, with code; the master says why first: code 2 as an error (configurator.die),
-        else on stdout. The progress bar closes first, so that the line is one of its own."""
-        bar.close()
+
+class Stop:
+    """How this process stops. On request: the signal handler only takes note (signum); the training loop stops at the
+    start of its next step, when every DDP process has learnt of it (Processes.agree). Before training starts there is
+    nothing to save, and a signal stops at once; so does a second signal. master: whether this process is the one that
+    writes ckpt.pt (its temporary file `writing`, which a second signal removes) and says why the run ended."""
+
+    def __init__(self, master, writing):
+        self.master, self.writing, self.bar = master, writing, None
+        self.signum, self.time, self.training = 0, 0.0, False
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+
+    def start_training(self, bar):
+        """From here on a signal lets the step under way finish; bar: the progress bar, closed before the last line."""
+        self.training, self.bar = True, bar
+
+    def end(self, code, message):
+        """Every process ends here, with code; the master says why: code 2 as an error (configurator.die), else on
+        stdout, after the progress bar has closed so that the line is one of its own."""
+        self.bar.close()
         if self.master:
             if code == 2:
                 die(message)
             print(message, flush=True)
         sys.exit(code)
-
-
-class StopSignals:
-    """Stopping on request. The handler only takes note (signum); the training loop stops at the start of its next
-    step, when every DDP process has learnt of it (Processes.agree). Before the loop (training False) there is nothing
-    to save, and a signal stops at once; so does a second signal.
-    writing: the temporary checkpoint file that this process writes (the master's), removed by a second signal."""
-
-    def __init__(self, writing=None):
-        self.writing, self.signum, self.time, self.training = writing, 0, 0.0, False
-        signal.signal(signal.SIGTERM, self.on_signal)
-        signal.signal(signal.SIGINT, self.on_signal)
 
     def on_signal(self, signum, frame):
         # torchrun passes each signal it gets on to its processes, which may have had it already (Ctrl-C reaches every
@@ -139,7 +144,7 @@ class StopSignals:
         if self.training and (not self.signum or time.monotonic() - self.time < 1):
             self.signum, self.time = self.signum or signum, self.time or time.monotonic()
             return
-        if self.training and self.writing and os.path.exists(self.writing):
+        if self.training and self.master and os.path.exists(self.writing):
             os.remove(self.writing)  # a checkpoint being written: ckpt.pt is still the previous one, whole
         when = "before training started" if not self.training else "without saving (a second signal)"
         os.write(2, f"\nstopped by {signal.Signals(signum).name} {when}\n".encode())
@@ -264,12 +269,13 @@ class MetricsLog:
 
 
 class PendingLosses:
-    """The loss of each step stays on the device until a log line, the NaN guard or a checkpoint needs it: reading it
-    every step would make the host wait for the device every step. micro_batches: a step's micro-batches over all
-    processes; diverged(what, value, step): called at a non-finite loss, ends the run."""
+    """The train losses not read yet, and the NaN guard over them and the evaluations' losses: a non-finite one ends
+    the run before anything is saved, so that ckpt (a CheckpointFile) keeps the last good state. The loss of each step
+    stays on the device until a log line, the NaN guard or a checkpoint needs it: reading it every step would make the
+    host wait for the device every step. micro_batches: a step's micro-batches over all processes."""
 
-    def __init__(self, processes, micro_batches, diverged):
-        self.processes, self.micro_batches, self.diverged = processes, micro_batches, diverged
+    def __init__(self, processes, micro_batches, ckpt, stop):
+        self.processes, self.micro_batches, self.ckpt, self.stop = processes, micro_batches, ckpt, stop
         self.steps = []  # (step, sum of the step's micro-batch losses on this process)
 
     def __len__(self):
@@ -287,6 +293,13 @@ class PendingLosses:
         losses = {step: loss_sum / self.micro_batches for (step, _), loss_sum in zip(self.steps, sums.tolist())}
         self.steps.clear()
         for step, loss in losses.items():
-            if not math.isfinite(loss):
-                self.diverged("train loss", loss, step)
+            self.check(step, {"train loss": loss})
         return losses
+
+    def check(self, step, losses):
+        """Stop every process at the first non-finite one of losses ({what: value} at step; all processes call it with
+        the same values)."""
+        for what, value in losses.items():
+            if not math.isfinite(value):
+                self.stop.end(2, f"{what} is {value} at step {step}: training diverged; {self.ckpt.kept()} (the last "
+                                 f"good state); lower learning_rate or raise warmup_iters")

@@ -1,17 +1,15 @@
 """
 Train a looped GPT (model.py) on a dataset made by prepare_data.py.
 
-One process (GPU when there is one, else CPU):
+One process (GPU when there is one, else CPU), or several with DDP on GPUs (nccl) or CPUs (gloo):
     python train.py config/smoke_cpu.py
     python train.py config/smoke_cpu.py --init_from=resume --max_iters=200
-Several processes with DDP, on GPUs (nccl) or on CPUs (gloo):
     torchrun --standalone --nproc_per_node=8 train.py config/loop_small.py
 Baselines are overrides:  --residual=deepnorm  (DeepNorm's exponents)  --n_loop=1  (no looping)
 
 The settings are the module-level variables below; config files and --key=value overrides change them
-(configurator.py). A run writes to out_dir: ckpt.pt (at every evaluation), metrics.jsonl, and train.lock, held while
-it runs so that a second train.py on the same out_dir stops at once (sample.py and eval_downstream.py only read).
-SIGTERM or Ctrl-C: the step under way finishes, ckpt.pt is written, and the run exits with code 75 (guard.py).
+(configurator.py). A run writes ckpt.pt (at every evaluation) and metrics.jsonl to out_dir. What keeps a long run
+safe is in guard.py: one run per out_dir, SIGTERM (or Ctrl-C) ends the step, writes ckpt.pt and exits with code 75.
 """
 
 import dataclasses
@@ -134,7 +132,7 @@ eval_loop_counts = sorted({n_loop, *eval_loop_counts})  # n_loop's val loss is t
 procs = guard.Processes()
 ddp, rank, world_size, master = procs.ddp, procs.rank, procs.world_size, procs.master
 # SIGTERM and SIGINT stop the run after the step under way, with a checkpoint; a second one at once (guard.py)
-stop = guard.StopSignals(os.path.join(out_dir, "ckpt.pt.tmp") if master else None)
+stop = guard.Stop(master, writing=os.path.join(out_dir, "ckpt.pt.tmp"))
 device = procs.start(device)
 
 if gradient_accumulation_steps % world_size:
@@ -143,8 +141,7 @@ if gradient_accumulation_steps % world_size:
 accum_steps = gradient_accumulation_steps // world_size  # micro-batches this process runs per step
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 device_type = device.split(":")[0]
-if compile is None:
-    compile = device_type == "cuda"
+compile = device_type == "cuda" if compile is None else compile
 if device_type == "cpu":
     # Deep Post-LN stacks produce tiny (denormal) gradients in their early visits; CPUs compute on denormals many
     # times slower (measured: 2 blocks x 32 loops, 5.1 s a step without this, 0.44 s with it, same loss)
@@ -157,19 +154,17 @@ lock_file = procs.on_master(lambda: guard.lock_out_dir(out_dir))  # one run per 
 # every run on a dataset, whatever its seed, so that runs with other seeds or schemes are compared on the same text;
 # the train-split ones are drawn with a seed that training does not use (EVAL_SEED).
 task = dataset in TASKS  # made on the fly: answers at some positions only, and their accuracy by k at evaluations
+splits = ((seed, "train"), (EVAL_SEED, "train"), (EVAL_SEED, "val"))  # training, and the evaluations' two
 try:
     if task:
-        train_data, train_eval_data, val_data = (make_task(globals(), split, s) for s, split in
-                                                 ((seed, "train"), (EVAL_SEED, "train"), (EVAL_SEED, "val")))
+        train_data, train_eval_data, val_data = (make_task(globals(), split, s) for s, split in splits)
         meta = dict(tokenizer=val_data.name, vocab_size=val_data.vocab_size)
     else:
         # builtin and builtin_bytes are made here when missing (by the master; the others wait for it)
         procs.on_master(lambda: prepare_builtin_if_missing(dataset))
         data_dir = os.path.join("data", dataset)
         meta = load_meta(data_dir)  # a missing dataset: the error names the command that prepares it
-        train_data = TokenWindows(data_dir, "train", block_size, seed)
-        train_eval_data = TokenWindows(data_dir, "train", block_size, EVAL_SEED)
-        val_data = TokenWindows(data_dir, "val", block_size, EVAL_SEED)
+        train_data, train_eval_data, val_data = (TokenWindows(data_dir, split, block_size, s) for s, split in splits)
 except (ValueError, FileNotFoundError) as e:
     die(str(e))
 vocab_size = -(-meta["vocab_size"] // 64) * 64  # the tokenizer's n_vocab padded to a multiple of 64: faster matmuls
@@ -202,13 +197,11 @@ else:
             f"resume with the run's chain settings" if task else f"{ckpt_path} was trained on "
             f"{checkpoint['tokenizer']} tokens but data/{dataset} holds {meta['tokenizer']} tokens; resume with the "
             f"dataset it was trained on")
-    # against the loaded model's config: a checkpoint older than a setting means its default
-    changed = [f"{k}={v!r} (checkpoint: {getattr(raw_model.config, k)!r})" for k, v in model_args.items()
-               if getattr(raw_model.config, k) != v]
-    # the loop counts a run trains with are in its config; a checkpoint older than them trained at fixed n_loop
-    changed += [f"{k}={v!r} (checkpoint: {checkpoint['config'].get(k, default)!r})"
-                for (k, v), default in zip(vars(train_loops).items(), vars(TrainLoops()).values())
-                if checkpoint["config"].get(k, default) != v]
+    # the model's settings against the loaded model's config (a checkpoint older than a setting means its default),
+    # the loop counts against the run's config (a checkpoint older than them trained at fixed n_loop)
+    saved = {**vars(TrainLoops()), **checkpoint["config"], **vars(raw_model.config)}
+    changed = [f"{k}={v!r} (checkpoint: {saved[k]!r})" for k, v in {**model_args, **vars(train_loops)}.items()
+               if saved[k] != v]
     if changed:
         die(f"resuming {ckpt_path} with another model: {', '.join(changed)}; use the run's config unchanged")
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
@@ -236,10 +229,10 @@ if init_from == "resume":
     del checkpoint  # frees its copy of the weights and optimizer state
 if compile:
     raw_model.compile_blocks()  # in place, every block and the loss: one graph serves every loop count
-model = raw_model  # evaluation runs this one: no DDP collectives
-# backprop_loops leaves the position embedding without a gradient, which DDP must be told about
-ddp_model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None,
-                find_unused_parameters=backprop_loops > 0) if ddp else model
+# training runs model, evaluation raw_model: no DDP collectives. backprop_loops leaves the position embedding without
+# a gradient, which DDP must be told about
+model = DDP(raw_model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None,
+            find_unused_parameters=backprop_loops > 0) if ddp else raw_model
 
 
 def save_checkpoint(evaluated):
@@ -254,11 +247,11 @@ def save_checkpoint(evaluated):
 
 @torch.no_grad()
 def estimate_loss():
-    """Mean loss over eval_iters fixed batches per split, the train split at n_loop and the val split at each of
-    eval_loop_counts (test-time depth); DDP processes share the batches out and sum. -> (losses, accuracy):
-    losses = dict(train=, val= (at n_loop), val_by_loops={loops: loss}); on a task, accuracy = the val split's
-    accuracy by k at each loop count ({loops: {"1": accuracy, ...}}; else None): the answer is the most likely token."""
-    model.eval()
+    """Mean loss over eval_iters fixed batches per split, train at n_loop and val at each of eval_loop_counts (test-time
+    depth), the batches shared out among DDP processes -> (losses, accuracy): losses = dict(train=, val= (at n_loop),
+    val_by_loops={loops: loss}); on a task, the val split's accuracy by k at each loop count ({loops: {"1": accuracy,
+    ...}}, the answer being the most likely token), else None."""
+    raw_model.eval()
     losses, accuracy = {}, None
     for split, data, loop_counts in (("train", train_eval_data, [n_loop]), ("val", val_data, eval_loop_counts)):
         totals = torch.zeros(len(loop_counts), device=device)
@@ -268,31 +261,18 @@ def estimate_loss():
             inputs = to_device((x, y))
             for i, loops in enumerate(loop_counts):
                 with autocast:
-                    logits, loss = model(*inputs, n_loop=loops)
+                    logits, loss = raw_model(*inputs, n_loop=loops)
                 totals[i] += loss.float()
                 if task and split == "val":
                     batch_hits, batch_counts = hits_by_k(val_data, logits.argmax(-1).cpu(), x, y)
                     hits[i], counts[i] = hits[i] + batch_hits, counts[i] + batch_counts
-        procs.all_reduce(totals)
-        losses[split + "_by_loops"] = dict(zip(loop_counts, (totals / eval_iters).tolist()))
+        losses[split + "_by_loops"] = dict(zip(loop_counts, (procs.all_reduce(totals) / eval_iters).tolist()))
         losses[split] = losses[split + "_by_loops"][n_loop]
         if task and split == "val":
             hits, counts = torch.tensor(procs.gather((hits.tolist(), counts.tolist())), dtype=torch.float64).sum(0)
             accuracy = {loops: accuracy_by_k(h, c) for loops, h, c in zip(loop_counts, hits, counts)}
-    model.train()
-    return losses, accuracy
-
-
-def loop_diagnostics():
-    """model.loop_diagnostics on the first train-eval batch (the same batch at every evaluation), on the raw model,
-    eager: it runs the blocks one visit at a time, which neither torch.compile nor DDP need to see. Not in float16:
-    its gradients, taken without loss scaling, would underflow in the early visits; float32 instead."""
-    x, y = to_device(train_eval_data.batch(0, batch_size))
-    raw_model.eval()  # no dropout: the diagnostics are deterministic and draw no random numbers
-    with autocast if dtype != "float16" else nullcontext(), torch.compiler.set_stance("force_eager"):
-        diagnostics = raw_model.loop_diagnostics(x, y)
     raw_model.train()
-    return diagnostics
+    return losses, accuracy
 
 
 def get_lr(it):
@@ -306,17 +286,43 @@ def get_lr(it):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
 
 
-def stop_diverged(what, value, step):
-    """A non-finite loss ends the run before anything is saved, so ckpt.pt keeps the last good state."""
-    procs.end(2, f"{what} is {value} at step {step}: training diverged; {ckpt.kept()} (the last good state); lower "
-                 f"learning_rate or raise warmup_iters", pbar)
+# logging: metrics.jsonl (guard.MetricsLog) and wandb
+metrics = guard.MetricsLog(os.path.join(out_dir, "metrics.jsonl"))
 
 
-# logging
-metrics = guard.MetricsLog(os.path.join(out_dir, "metrics.jsonl"))  # the master's, which opens it
+def log(record):
+    if metrics.write(record) and wandb_log and record["type"] != "start":
+        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "iter"}
+        numbers.update({f"kappa_{b}": k for b, k in enumerate(record.get("loop", {}).get("kappa", []))})
+        wandb.log({f"{record['type']}/{k}": v for k, v in numbers.items()}, step=record["iter"])
 
 
-def open_logs():
+def log_eval(losses, accuracy):
+    """An evaluation's line and record, with the loop diagnostics: model.loop_diagnostics on the first train-eval batch
+    (the same at every evaluation), eager, since torch.compile need not see its visit-by-visit run. Not in float16: its
+    gradients, taken without loss scaling, would underflow in the early visits; float32 instead."""
+    raw_model.eval()  # no dropout: the diagnostics are deterministic and draw no random numbers
+    with autocast if dtype != "float16" else nullcontext(), torch.compiler.set_stance("force_eager"):
+        diagnostics = raw_model.loop_diagnostics(*to_device(train_eval_data.batch(0, batch_size)))
+    raw_model.train()
+    kappa, by_loops = diagnostics["kappa"], losses["val_by_loops"]
+    depth = f"; val loss at {'/'.join(map(str, by_loops))} loops " \
+            f"{'/'.join(f'{loss:.3f}' for loss in by_loops.values())}" if len(by_loops) > 1 else ""
+    tqdm.write(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, kappa_R (R={n_loop}) "
+               f"min {min(kappa):.2f} mean {sum(kappa) / len(kappa):.2f} max {max(kappa):.2f}{depth}")
+    if task:
+        tqdm.write(f"  val accuracy by k = 1..{len(accuracy[n_loop])}: {format_by_k(accuracy[n_loop])}")
+        if len(accuracy) > 1:
+            hardest = max(accuracy[n_loop], key=int)
+            tqdm.write(f"  val accuracy at k = {hardest} at {'/'.join(map(str, accuracy))} loops: "
+                       f"{'/'.join(f'{by_k[hardest]:.2f}' for by_k in accuracy.values())}")
+    log(dict(type="eval", iter=iter_num, tokens=iter_num * tokens_per_iter, train_loss=losses["train"],
+             val_loss=losses["val"], val_loss_by_loops=by_loops, loop=diagnostics,
+             **(dict(accuracy=accuracy[n_loop], accuracy_by_loops=accuracy) if task else {})))
+
+
+def start_logs():
+    """On the master: the logs opened, the run described, and its start record written."""
     global peak_flops, peak_source, wandb
     metrics.open(append=init_from == "resume")
     peak_flops, peak_source = (peak_flops, "peak_flops") if peak_flops > 0 else default_peak_flops(device, dtype)
@@ -326,20 +332,6 @@ def open_logs():
         except ImportError:
             die("wandb_log=True needs the wandb package: pip install wandb (or leave wandb_log off)")
         wandb.init(project=wandb_project, name=wandb_run_name, config=config)
-
-
-procs.on_master(open_logs)
-
-
-def log(record):
-    """A record in metrics.jsonl (guard.MetricsLog), and its numbers sent to wandb."""
-    if metrics.write(record) and wandb_log and record["type"] != "start":
-        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "iter"}
-        numbers.update({f"kappa_{b}": k for b, k in enumerate(record.get("loop", {}).get("kappa", []))})
-        wandb.log({f"{record['type']}/{k}": v for k, v in numbers.items()}, step=record["iter"])
-
-
-if master:
     n_params = raw_model.num_params()
     print(f"{n_params / 1e6:.2f}M parameters, {n_layer} blocks x {n_loop} loops ({residual}), vocab {vocab_size} "
           f"({meta['tokenizer']}), {tokens_per_iter:,} tokens per step on {world_size} x {device} in {dtype}, "
@@ -358,26 +350,26 @@ if master:
     log(dict(type="start", iter=iter_num, resumed=init_from == "resume", params=n_params, world_size=world_size,
              config={k: globals()[k] for k in config}, **task_record))
 
+
+procs.on_master(start_logs)
+
 # ---------------------------------------------------------------------------------------------------------------------
 # training loop. Step iter_num trains on micro-batches iter_num * gradient_accumulation_steps + 0, 1, ...; process
 # `rank` takes its accum_steps consecutive ones, so 2 processes x 2 micro-batches see what 1 process x 4 sees.
-first_iter = iter_num
 ckpt = guard.CheckpointFile(ckpt_path, iter_num if init_from == "resume" else None)  # the step ckpt.pt holds
-pending = guard.PendingLosses(procs, gradient_accumulation_steps, stop_diverged)  # train losses, the NaN guard
+pending = guard.PendingLosses(procs, gradient_accumulation_steps, ckpt, stop)  # train losses, and the NaN guard
+first_iter = iter_num
 if master and init_from == "resume" and iter_num >= max_iters:
     print(f"{ckpt_path} is at step {iter_num} already; raise --max_iters to train on")
-# a terminal gets a progress bar; a file or a CI log gets one plain line per log_interval instead
-bar = master and sys.stderr.isatty()
+bar = master and sys.stderr.isatty()  # a terminal gets a progress bar; a file or a CI log one line per log_interval
 pbar = tqdm(total=max_iters, initial=iter_num, disable=not bar, dynamic_ncols=True, desc="train")
 window_start, window_steps, window_flops = time.perf_counter(), 0, 0
-stop.training = True
+stop.start_training(pbar)
 while True:
-    # Every process takes the same decisions at the same step: stop (a signal reached one of them, or the master
-    # could not write metrics.jsonl), or write a time-based checkpoint
-    signum, checkpoint_due, log_failed = procs.agree(stop.signum, ckpt.due(checkpoint_minutes),
-                                                     metrics.error is not None)
+    # every process decides alike at each step (guard.py): stop on a signal or a failed metrics write, or checkpoint
+    signum, checkpoint_due, log_failed = procs.agree(stop.signum, ckpt.due(checkpoint_minutes), bool(metrics.error))
     if log_failed:
-        procs.end(2, master and ckpt.write_failed(metrics.path, metrics.error, iter_num), pbar)
+        stop.end(2, master and ckpt.write_failed(metrics.path, metrics.error, iter_num))
     eval_due = iter_num % eval_interval == 0 or iter_num >= max_iters
     if signum or (checkpoint_due and not eval_due):
         if ckpt.step != iter_num:
@@ -385,43 +377,24 @@ while True:
             if master and not signum:
                 tqdm.write(f"step {iter_num}: wrote {ckpt_path} ({checkpoint_minutes:g} minutes since the last one)")
         if signum:
-            procs.end(guard.STOPPED, ckpt.stopped(signum, sys.argv, ddp), pbar)
-    # Evaluate (and checkpoint) every eval_interval steps and at the end; a resumed run skips its first step's when
+            stop.end(guard.STOPPED, ckpt.stopped(signum, sys.argv, ddp))
+    # Evaluate and write ckpt.pt every eval_interval steps and at the end (at every evaluation, not only when val loss
+    # improves: resuming must continue from the latest state). A resumed run skips its first step's evaluation when
     # the run that wrote the checkpoint has already done and logged it.
     if eval_due and not (init_from == "resume" and iter_num == first_iter and evaluated):
         pending.read()  # a non-finite train loss is named first, before the evaluation it spoils
         losses, accuracy = estimate_loss()
-        for split in ("train", "val"):
-            if not math.isfinite(losses[split]):
-                stop_diverged(f"{split} loss", losses[split], iter_num)
-        best_val_loss = min(best_val_loss, losses["val"])
-        diagnostics = loop_diagnostics() if master else None
-        # At every evaluation, not only when val loss improves: resuming must continue from the latest state.
-        # best_val_loss travels in the checkpoint for information.
+        pending.check(iter_num, {f"{split} loss": losses[split] for split in ("train", "val")})
+        best_val_loss = min(best_val_loss, losses["val"])  # travels in the checkpoint for information
         save_checkpoint(evaluated=True)
         if master:
-            kappa = diagnostics["kappa"]
-            by_loops = losses["val_by_loops"]
-            depth = f"; val loss at {'/'.join(map(str, by_loops))} loops " \
-                    f"{'/'.join(f'{loss:.3f}' for loss in by_loops.values())}" if len(by_loops) > 1 else ""
-            tqdm.write(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, kappa_R "
-                       f"(R={n_loop}) min {min(kappa):.2f} mean {sum(kappa) / len(kappa):.2f} max {max(kappa):.2f}"
-                       f"{depth}")
-            if task:
-                tqdm.write(f"  val accuracy by k = 1..{len(accuracy[n_loop])}: {format_by_k(accuracy[n_loop])}")
-                if len(accuracy) > 1:
-                    hardest = max(accuracy[n_loop], key=int)
-                    tqdm.write(f"  val accuracy at k = {hardest} at {'/'.join(map(str, accuracy))} loops: "
-                               f"{'/'.join(f'{by_k[hardest]:.2f}' for by_k in accuracy.values())}")
-            log(dict(type="eval", iter=iter_num, tokens=iter_num * tokens_per_iter, train_loss=losses["train"],
-                     val_loss=losses["val"], val_loss_by_loops=by_loops, loop=diagnostics,
-                     **(dict(accuracy=accuracy[n_loop], accuracy_by_loops=accuracy) if task else {})))
+            log_eval(losses, accuracy)
         window_start, window_steps, window_flops = time.perf_counter(), 0, 0  # evaluation time is not in tokens/s, MFU
         # a signal during the evaluation stops here: ckpt.pt holds this step, and another step would mean another
         # write within the scheduler's grace period
         signum, = procs.agree(stop.signum)
         if signum and iter_num < max_iters:
-            procs.end(guard.STOPPED, ckpt.stopped(signum, sys.argv, ddp), pbar)
+            stop.end(guard.STOPPED, ckpt.stopped(signum, sys.argv, ddp))
     if iter_num >= max_iters:
         break
 
@@ -435,10 +408,10 @@ while True:
         x, y = to_device(train_data.batch(index, batch_size, curriculum_hops(iter_num, chain_curriculum, chain_hops))
                          if task else train_data.batch(index, batch_size))
         # DDP averages gradients over processes in backward; only the last micro-batch's backward needs to
-        with ddp_model.no_sync() if ddp and micro < accum_steps - 1 else nullcontext():
+        with model.no_sync() if ddp and micro < accum_steps - 1 else nullcontext():
             with autocast:
                 # not holding on to the (B, T, vocab) logits: backward needs less memory
-                loss = ddp_model(x, y, n_loop=step_loops, backprop_loops=backprop_loops)[1]
+                loss = model(x, y, n_loop=step_loops, backprop_loops=backprop_loops)[1]
             scaler.scale(loss / accum_steps).backward()
         loss_sum += loss.detach().float()
     pending.add(iter_num, loss_sum)
@@ -458,9 +431,8 @@ while True:
             tokens_per_sec = tokens_per_iter / dt
             mfu = window_flops / window_steps / dt / (peak_flops * world_size)
             log(dict(type="train", iter=iter_num, tokens=(iter_num + 1) * tokens_per_iter, loss=loss_value, lr=lr,
-                     loops=step_loops,
-                     grad_norm=grad_norm.item() if grad_norm.isfinite() else None,  # inf: a skipped float16 step
-                     tokens_per_sec=tokens_per_sec, mfu=mfu))
+                     loops=step_loops, grad_norm=grad_norm.item() if grad_norm.isfinite() else None,
+                     tokens_per_sec=tokens_per_sec, mfu=mfu))  # grad_norm inf: a float16 step that GradScaler skipped
             window_start, window_steps, window_flops = time.perf_counter(), 0, 0
             progress = f"loss {loss_value:.4f} lr {lr:.2e} tok/s {tokens_per_sec:,.0f} mfu {mfu:.1%}"
             if bar:
