@@ -6,13 +6,10 @@ One process (GPU when there is one, else CPU), or several with DDP on GPUs (nccl
     python train.py config/smoke_cpu.py --init_from=resume --max_iters=200
     torchrun --standalone --nproc_per_node=8 train.py config/loop_small.py
 Baselines are overrides:  --residual=deepnorm  (DeepNorm's exponents)  --n_loop=1  (no looping)
-
-The settings are the module-level variables below; config files and --key=value overrides change them
-(configurator.py). A run writes ckpt.pt (at every evaluation) and metrics.jsonl to out_dir. What keeps a long run
-safe is in guard.py: one run per out_dir, SIGTERM (or Ctrl-C) ends the step, writes ckpt.pt and exits with code 75.
+The settings are the module-level variables below, changed by config files and --key=value (configurator.py). A run
+writes ckpt.pt and metrics.jsonl to out_dir; guard.py keeps it safe (SIGTERM: ckpt.pt written, exit code 75).
 """
 
-import dataclasses
 import math
 import os
 import random
@@ -170,14 +167,12 @@ except (ValueError, FileNotFoundError) as e:
 vocab_size = -(-meta["vocab_size"] // 64) * 64  # the tokenizer's n_vocab padded to a multiple of 64: faster matmuls
 
 
-def to_device(batch):
-    if device_type == "cuda":  # pinned memory lets the copy run while the GPU still works on the previous batch
-        return [t.pin_memory().to(device, non_blocking=True) for t in batch]
-    return [t.to(device) for t in batch]
+def to_device(batch):  # on CUDA from pinned memory: the copy runs while the GPU still works on the previous batch
+    return [t.pin_memory().to(device, non_blocking=True) if device_type == "cuda" else t.to(device) for t in batch]
 
 
 # model and optimizer
-model_args = {f.name: globals()[f.name] for f in dataclasses.fields(GPTConfig)}  # vocab_size: from the data
+model_args = {k: globals()[k] for k in GPTConfig.__dataclass_fields__}  # vocab_size: from the data
 try:
     gpt_config = GPTConfig(**model_args)
 except ValueError as e:
@@ -276,8 +271,6 @@ def estimate_loss():
 
 
 def get_lr(it):
-    if not decay_lr:
-        return learning_rate
     if it < warmup_iters:
         return learning_rate * (it + 1) / (warmup_iters + 1)
     if it >= lr_decay_iters:
@@ -371,13 +364,12 @@ while True:
     if log_failed:
         stop.end(2, master and ckpt.write_failed(metrics.path, metrics.error, iter_num))
     eval_due = iter_num % eval_interval == 0 or iter_num >= max_iters
-    if signum or (checkpoint_due and not eval_due):
-        if ckpt.step != iter_num:
-            save_checkpoint(evaluated=False)
-            if master and not signum:
-                tqdm.write(f"step {iter_num}: wrote {ckpt_path} ({checkpoint_minutes:g} minutes since the last one)")
-        if signum:
-            stop.end(guard.STOPPED, ckpt.stopped(signum, sys.argv, ddp))
+    if (signum or checkpoint_due and not eval_due) and ckpt.step != iter_num:
+        save_checkpoint(evaluated=False)
+        if master and not signum:
+            tqdm.write(f"step {iter_num}: wrote {ckpt_path} ({checkpoint_minutes:g} minutes since the last one)")
+    if signum:
+        stop.end(guard.STOPPED, ckpt.stopped(signum, sys.argv, ddp))
     # Evaluate and write ckpt.pt every eval_interval steps and at the end (at every evaluation, not only when val loss
     # improves: resuming must continue from the latest state). A resumed run skips its first step's evaluation when
     # the run that wrote the checkpoint has already done and logged it.
@@ -398,7 +390,7 @@ while True:
     if iter_num >= max_iters:
         break
 
-    lr = get_lr(iter_num)
+    lr = get_lr(iter_num) if decay_lr else learning_rate
     for group in optimizer.param_groups:
         group["lr"] = lr
     loss_sum = torch.zeros((), device=device)
