@@ -224,10 +224,12 @@ if init_from == "resume":
     del checkpoint  # frees its copy of the weights and optimizer state
 if compile:
     raw_model.compile_blocks()  # in place, every block and the loss: one graph serves every loop count
-# training runs model, evaluation raw_model: no DDP collectives. backprop_loops leaves the position embedding without
-# a gradient, which DDP must be told about
+# training runs model, evaluation raw_model (no DDP collectives). DDP must know when a step may leave parameters
+# without a gradient: the earlier loops' under backprop_loops, LoopInput's at a step of one loop (it feeds loops 2 on)
+fewest_loops = {"fixed": n_loop, "uniform": loop_min}.get(loop_sampling, 1)  # lognormal_poisson draws 1 + Poisson
+unused = backprop_loops > 0 or loop_input != "none" and fewest_loops == 1
 model = DDP(raw_model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None,
-            find_unused_parameters=backprop_loops > 0) if ddp else raw_model
+            find_unused_parameters=unused) if ddp else raw_model
 
 
 def save_checkpoint(evaluated):

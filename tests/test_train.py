@@ -275,6 +275,22 @@ def test_two_ddp_processes_equal_one_with_twice_the_accumulation(workdir):
         records(workdir / "single", "eval")[-1]["val_loss"], rel=1e-6)
 
 
+def test_ddp_trains_a_loop_input_that_a_step_of_one_loop_leaves_unused(workdir):
+    """The injected input enters from the second loop on (model.LoopInput): a step of one loop leaves its parameters
+    without a gradient, and DDP, unless told, fails at the next step (Expected to have finished reduction ...).
+    Huginn's log-normal Poisson draws 1 loop at step 0 here; concat at a fixed n_loop=1 runs one at every step."""
+    args = ["--gradient_accumulation_steps=4", "--max_iters=3", "--eval_interval=100", "--loop_input=concat",
+            "--loop_sampling=lognormal_poisson", "--loop_mean=2.0"]
+    train(workdir, "--out_dir=inject-single", *args)
+    train(workdir, "--out_dir=inject-ddp", *args, nproc=2)
+    assert [r["loops"] for r in records(workdir / "inject-ddp", "train")] == [1, 2, 4]  # TrainLoops.draw(1337, 0..2)
+    single, ddp = load(workdir / "inject-single"), load(workdir / "inject-ddp")
+    for key, tensor in single["model"].items():
+        torch.testing.assert_close(ddp["model"][key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+    train(workdir, "--out_dir=inject-one", "--loop_input=concat", "--n_loop=1", "--max_iters=2", nproc=2)
+    assert load(workdir / "inject-one")["iter_num"] == 2
+
+
 def test_sampled_loop_counts_continue_on_resume_and_evaluations_report_several_depths(workdir):
     train(workdir, "--out_dir=sampled", "--max_iters=4", "--eval_loops=1,3", *SAMPLED)
     result = train(workdir, "--out_dir=sampled", "--max_iters=8", "--init_from=resume", "--eval_loops=1,3", *SAMPLED)
