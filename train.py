@@ -22,12 +22,12 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from runtime import default_peak_flops, precision, rng_states, set_rng_states, tune_malloc
 import guard
 from configurator import configure, die
 from dataset import EVAL_SEED, TokenWindows, load_meta
 from model import GPT, MAX_LOOPS, GPTConfig, TrainLoops
 from prepare_data import prepare_builtin_if_missing
+from runtime import default_peak_flops, precision, rng_states, set_rng_states, tune_malloc
 from lab.tasks import TASKS, accuracy_by_k, best_shortcut, curriculum_hops, format_by_k, hits_by_k, make_task, shortcuts
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -98,6 +98,7 @@ dtype = "auto"           # auto: what the device computes fastest (runtime.choos
 compile = None           # torch.compile; None: on CUDA (faster steps), not elsewhere (minutes of compiling on a CPU)
 seed = 1337
 peak_flops = 0.0         # FLOP/s of one device for MFU; 0: a default for the device (see default_peak_flops)
+chain_defaults = {k: v for k, v in globals().items() if k.startswith("chain_")}  # chain_* mean nothing on text
 config = configure(globals(), sys.argv[1:])
 # ---------------------------------------------------------------------------------------------------------------------
 tune_malloc()  # before the first large allocation: freed activations stay in the process (runtime.tune_malloc)
@@ -108,6 +109,9 @@ if dtype not in ("auto", "float32", "bfloat16", "float16"):
     die(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
 if min(eval_interval, eval_iters, log_interval, gradient_accumulation_steps, batch_size) < 1:
     die("eval_interval, eval_iters, log_interval, gradient_accumulation_steps and batch_size must all be >= 1")
+if dataset not in TASKS and (chains := [f"{k}={config[k]!r}" for k, v in chain_defaults.items() if config[k] != v]):
+    die(f"chain settings only apply to dataset=chains, not {dataset} ({', '.join(chains)}); leave them at their "
+        f"defaults or use --dataset=chains")
 if chain_curriculum < 0:
     die(f"chain_curriculum must be >= 0 (steps over which chains grow to chain_hops; 0: off), got {chain_curriculum}")
 if not 0 <= seed < 2 ** 31:  # numpy takes no negative seeds, and seed + rank seeds its 32-bit generator
@@ -181,7 +185,7 @@ torch.manual_seed(seed)  # the same initial weights on every rank (DDP would bro
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 if init_from == "scratch":
     raw_model = GPT(gpt_config).to(device)
-    iter_num, best_val_loss = 0, math.inf
+    iter_num, best_val_loss, evaluated = 0, math.inf, False
 else:
     try:
         raw_model, checkpoint = GPT.from_checkpoint(ckpt_path, device)
@@ -281,8 +285,7 @@ def get_lr(it):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
 
 
-# logging: metrics.jsonl (guard.MetricsLog) and wandb
-metrics = guard.MetricsLog(os.path.join(out_dir, "metrics.jsonl"))
+metrics = guard.MetricsLog(os.path.join(out_dir, "metrics.jsonl"))  # the run's records, one JSON line each
 
 
 def log(record):
@@ -335,6 +338,9 @@ def start_logs():
     if loop_sampling != "fixed" or backprop_loops:
         print(f"training loop counts: {loop_sampling}, mean {train_loops.mean or n_loop:g}"
               f"{f', backprop through the last {backprop_loops}' if backprop_loops else ''}; evaluation at {n_loop}")
+    if loop_input != "none" and (train_loops.mean or n_loop) == 1:  # useless, not wrong: the run trains without it
+        print(f"warning: loop_input={loop_input} never trains: every step runs one loop, and the input is fed into "
+              f"loops 2 on (model.LoopInput); use --loop_input=none or more loops", file=sys.stderr)
     task_record = {}
     if task:
         # guesses that do not follow the chains, scored on the evaluation's own val batches
@@ -353,7 +359,6 @@ procs.on_master(start_logs)
 # `rank` takes its accum_steps consecutive ones, so 2 processes x 2 micro-batches see what 1 process x 4 sees.
 ckpt = guard.CheckpointFile(ckpt_path, iter_num if init_from == "resume" else None)  # the step ckpt.pt holds
 pending = guard.PendingLosses(procs, gradient_accumulation_steps, ckpt, stop)  # train losses, and the NaN guard
-first_iter = iter_num
 if master and init_from == "resume" and iter_num >= max_iters:
     print(f"{ckpt_path} is at step {iter_num} already; raise --max_iters to train on")
 bar = master and sys.stderr.isatty()  # a terminal gets a progress bar; a file or a CI log one line per log_interval
@@ -373,9 +378,9 @@ while True:
     if signum:
         stop.end(guard.STOPPED, ckpt.stopped(signum, sys.argv, ddp))
     # Evaluate and write ckpt.pt every eval_interval steps and at the end (at every evaluation, not only when val loss
-    # improves: resuming must continue from the latest state). A resumed run skips its first step's evaluation when
-    # the run that wrote the checkpoint has already done and logged it.
-    if eval_due and not (init_from == "resume" and iter_num == first_iter and evaluated):
+    # improves: resuming must continue from the latest state), unless ckpt.pt holds this step evaluated already: a
+    # resumed run's first step, when the run that wrote the checkpoint has done and logged its evaluation.
+    if eval_due and not (ckpt.step == iter_num and evaluated):
         pending.read()  # a non-finite train loss is named first, before the evaluation it spoils
         losses, accuracy = estimate_loss()
         pending.check(iter_num, {f"{split} loss": losses[split] for split in ("train", "val")})

@@ -343,6 +343,25 @@ def test_a_loop_count_or_seed_out_of_range_is_a_one_line_error(overrides, messag
     assert not (tmp_path / "typo" / "metrics.jsonl").exists() and not (tmp_path / "typo" / "ckpt.pt").exists()
 
 
+def test_chain_settings_on_text_are_a_one_line_error_and_a_loop_input_no_step_reads_a_warning(workdir, tmp_path):
+    """chain_* settings mean something on dataset=chains only: on text they stop the run before it writes anything
+    (at their defaults, as a task's config file run on text sets them, they pass). A loop_input at one loop a step
+    is merely useless (it is fed into loops 2 on): the run trains, with a warning."""
+    for overrides, changed in [(["--chain_curriculum=100"], "chain_curriculum=100"),
+                               (["--chain_pointers=foo", "--chain_hops=3"], "chain_hops=3, chain_pointers='foo'")]:
+        result = train(workdir, f"--out_dir={tmp_path / 'chains'}", "--max_iters=0", *overrides, expect_rc=2)
+        assert result.stderr == f"error: chain settings only apply to dataset=chains, not fixture ({changed}); leave " \
+                                f"them at their defaults or use --dataset=chains\n"
+        assert not (tmp_path / "chains").exists()
+    train(workdir, f"--out_dir={tmp_path / 'defaults'}", "--max_iters=0", "--chain_hops=6", "--chain_values=8")
+    warning = ("warning: loop_input=concat never trains: every step runs one loop, and the input is fed into loops 2 on "
+               "(model.LoopInput); use --loop_input=none or more loops")
+    for overrides, warned in [(["--n_loop=1"], True), (["--n_loop=1", *SAMPLED], False),
+                              (["--loop_sampling=uniform", "--loop_min=1", "--loop_max=1"], True)]:
+        result = train(workdir, f"--out_dir={tmp_path / 'unread'}", "--max_iters=1", "--loop_input=concat", *overrides)
+        assert (warning in result.stderr.splitlines()) == warned, result.stderr
+
+
 def test_mfu_counts_the_loops_each_step_ran(workdir):
     """MFU over tokens/s is FLOPs per token over peak_flops: the FLOPs of the loops each logged step ran, its backward
     pass over the tracked loops only. 4 loops sampled on a model built for 1 count as 4 loops."""
