@@ -131,7 +131,8 @@ class Stop:
     def end(self, code, message):
         """Every process ends here, with code; the master says why: code 2 as an error (configurator.die), else on
         stdout, after the progress bar has closed so that the line is one of its own."""
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
         if self.master:
             if code == 2:
                 die(message)
