@@ -6,7 +6,8 @@ nanoGPT-style configuration: a script keeps its settings as plain module-level v
 
 which runs the config files named on the command line (python files of `key = value` lines), then applies the
 `--key=value` overrides, and returns the settings. Values are read with ast.literal_eval, never eval; a value that
-is no Python literal is taken as a bare string (`--dataset=builtin`). Anything wrong stops the script with one line
+is no Python literal is taken as a bare string (`--dataset=builtin`). A value has its default's type (an int may stand
+for a float; None only where the default is None). Anything wrong stops the script with one line
 on stderr and exit code 2. A script that must tell a setting given from its default (sweep.py, where a given one
 overrides a mode's own budget) passes a set as `given`: it receives the keys that the files and overrides set.
 """
@@ -29,7 +30,7 @@ def _checked(key, value, config, source):
     if key not in config:
         die(f"unknown config key '{key}' in {source}; known keys: {', '.join(sorted(config))}")
     default = config[key]
-    if default is None or value is None or type(value) is type(default):
+    if default is None or type(value) is type(default):  # None only where the default is None
         return value
     if type(default) is float and type(value) is int:
         return float(value)

@@ -1,51 +1,36 @@
 """
 Train a looped GPT (model.py) on a dataset made by prepare_data.py.
 
-One process (GPU when there is one, else CPU):
+One process (GPU when there is one, else CPU), or several with DDP on GPUs (nccl) or CPUs (gloo):
     python train.py config/smoke_cpu.py
     python train.py config/smoke_cpu.py --init_from=resume --max_iters=200
-Several processes with DDP, on GPUs (nccl) or on CPUs (gloo):
     torchrun --standalone --nproc_per_node=8 train.py config/loop_small.py
 Baselines are overrides:  --residual=deepnorm  (DeepNorm's exponents)  --n_loop=1  (no looping)
-
-The settings are the module-level variables below; config files and --key=value overrides change them
-(configurator.py). A run writes to out_dir: ckpt.pt (at every evaluation), metrics.jsonl, and train.lock, held while
-it runs so that a second train.py on the same out_dir stops at once (sample.py and eval_downstream.py only read).
-
-Preemption: SIGTERM (what a cluster's scheduler sends before it kills a job) and SIGINT (Ctrl-C) let the current
-step finish; then the run writes ckpt.pt, prints the command that resumes it and exits with code 75 (STOPPED). A
-second signal, a second or more later, stops at once; ckpt.pt is only ever replaced whole, so the previous one stays.
+The settings are the module-level variables below, changed by config files and --key=value (configurator.py). A run
+writes ckpt.pt and metrics.jsonl to out_dir; guard.py keeps it safe (SIGTERM: ckpt.pt written, exit code 75).
 """
 
-import atexit
-import dataclasses
-import fcntl
-import json
 import math
 import os
 import random
-import shlex
-import signal
-import socket
 import sys
 import time
-import traceback
 from contextlib import nullcontext
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from runtime import default_peak_flops, precision, rng_states, set_rng_states, tune_malloc
+import guard
 from configurator import configure, die
 from dataset import EVAL_SEED, TokenWindows, load_meta
 from model import GPT, MAX_LOOPS, GPTConfig
 from lab.flops import flops_per_token
 from lab.loops import TrainLoops, TruncatedBackprop
-from lab.probes import loop_diagnostics as stream_diagnostics
+from lab.probes import loop_diagnostics
 from prepare_data import prepare_builtin_if_missing
+from runtime import default_peak_flops, precision, rng_states, set_rng_states, tune_malloc
 from lab.tasks import TASKS, accuracy_by_k, best_shortcut, curriculum_hops, format_by_k, hits_by_k, make_task, shortcuts
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -62,7 +47,7 @@ wandb_project = "deeploop"
 wandb_run_name = "run"
 # data
 dataset = "openwebtext"  # folder data/<dataset> from prepare_data.py (builtin and builtin_bytes prepare themselves),
-#                          or a task of tasks.py made on the fly: chains (pointer chains, block_size cells a sequence)
+#                          or a task of lab/tasks.py made on the fly: chains (pointer chains, block_size cells a sequence)
 chain_values = 8         # chains: the values a chain can start with (chance is 1 / chain_values)
 chain_hops = 6           # chains: pointers in the longest chain; accuracy is reported for k = 1 .. chain_hops
 chain_pointers = "absolute"  # chains: absolute (token: the cell's index) or relative (cells back: what RoPE sees)
@@ -116,6 +101,7 @@ dtype = "auto"           # auto: what the device computes fastest (runtime.choos
 compile = None           # torch.compile; None: on CUDA (faster steps), not elsewhere (minutes of compiling on a CPU)
 seed = 1337
 peak_flops = 0.0         # FLOP/s of one device for MFU; 0: a default for the device (see default_peak_flops)
+chain_defaults = {k: v for k, v in globals().items() if k.startswith("chain_")}  # chain_* mean nothing on text
 config = configure(globals(), sys.argv[1:])
 # ---------------------------------------------------------------------------------------------------------------------
 tune_malloc()  # before the first large allocation: freed activations stay in the process (runtime.tune_malloc)
@@ -126,6 +112,9 @@ if dtype not in ("auto", "float32", "bfloat16", "float16"):
     die(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
 if min(eval_interval, eval_iters, log_interval, gradient_accumulation_steps, batch_size) < 1:
     die("eval_interval, eval_iters, log_interval, gradient_accumulation_steps and batch_size must all be >= 1")
+if dataset not in TASKS and (chains := [f"{k}={config[k]!r}" for k, v in chain_defaults.items() if config[k] != v]):
+    die(f"chain settings only apply to dataset=chains, not {dataset} ({', '.join(chains)}); leave them at their "
+        f"defaults or use --dataset=chains")
 if chain_curriculum < 0:
     die(f"chain_curriculum must be >= 0 (steps over which chains grow to chain_hops; 0: off), got {chain_curriculum}")
 if not 0 <= seed < 2 ** 31:  # numpy takes no negative seeds, and seed + rank seeds its 32-bit generator
@@ -143,77 +132,12 @@ if not all(1 <= c <= MAX_LOOPS for c in eval_loop_counts):
     die(f"eval_loops must be loop counts from 1 to {MAX_LOOPS} separated by commas, like \"1,2,4\", got {eval_loops!r}")
 eval_loop_counts = sorted({n_loop, *eval_loop_counts})  # n_loop's val loss is the one that val_loss reports
 
-# Stopping on request. The handler only takes note; the training loop stops at the start of its next step, when
-# every DDP process has learnt of it (see agree). Before the loop there is nothing to save, and a signal stops at once.
-STOPPED = 75  # exit code of a run stopped by a signal after writing its checkpoint (sysexits' EX_TEMPFAIL: try later)
-stop_signal, stop_time, training = 0, 0.0, False
-
-
-def on_stop_signal(signum, frame):
-    global stop_signal, stop_time
-    # torchrun passes each signal it gets on to its processes, which may have had it already (Ctrl-C reaches every
-    # process of the terminal): a repeat within a second is the same request
-    if training and (not stop_signal or time.monotonic() - stop_time < 1):
-        stop_signal, stop_time = stop_signal or signum, stop_time or time.monotonic()
-        return
-    tmp_path = os.path.join(out_dir, "ckpt.pt.tmp")
-    if training and master and os.path.exists(tmp_path):
-        os.remove(tmp_path)  # a checkpoint being written: ckpt.pt is still the previous one, whole
-    when = "before training started" if not training else "without saving (a second signal)"
-    os.write(2, f"\nstopped by {signal.Signals(signum).name} {when}\n".encode())
-    os._exit(128 + signum)  # the shell's code for a process ended by this signal
-
-
-signal.signal(signal.SIGTERM, on_stop_signal)
-signal.signal(signal.SIGINT, on_stop_signal)
-
-# DDP: torchrun starts one process per device and tells each its RANK and WORLD_SIZE
-ddp = "RANK" in os.environ
-rank, world_size = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
-master = rank == 0  # the one process that prints, logs and writes files
-cpu_group = None  # the process group of agree(); on CPU the default one
-if ddp:
-    if device.startswith("cuda"):
-        # launchers other than torchrun may set RANK only; ranks are numbered node by node, a GPU each
-        device = f"cuda:{os.environ.get('LOCAL_RANK', rank % torch.cuda.device_count())}"
-        torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl", device_id=torch.device(device))
-        cpu_group = dist.new_group(backend="gloo")
-    else:
-        dist.init_process_group(backend="gloo")
-    # Every way out after this (an agreed stop, die(), an error, the end) tears the process group down while Python
-    # is still whole (atexit runs first at exit). Left to the interpreter's teardown, gloo's worker threads can drop
-    # the last collective's tensors after Python is gone, and the process aborts (SIGABRT) instead of exiting with
-    # its code; destroy_process_group joins those threads first.
-    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
-
-
-def agree(*flags):
-    """The largest value of each flag over all processes: a collective, which every process calls at the same
-    point, so that all of them take the same decision. On CUDA it runs over CPU tensors (a gloo group), so agreeing
-    never waits for the GPU's queued work."""
-    flags = torch.tensor(flags, dtype=torch.int64)
-    if ddp:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cpu_group)
-    return flags.tolist()
-
-
-def on_master(step):
-    """step() on the master only, and if it fails every process stops with it: the others would otherwise wait in
-    their next collective until its timeout (10 minutes or more). die() in step has printed its line already."""
-    code = 0
-    if master:
-        try:
-            step()
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-        except Exception:
-            traceback.print_exc()
-            code = 1
-    code, = agree(code)
-    if code:
-        sys.exit(code)
-
+# DDP: torchrun starts one process per device and tells each its RANK and WORLD_SIZE (guard.Processes)
+procs = guard.Processes()
+ddp, rank, world_size, master = procs.ddp, procs.rank, procs.world_size, procs.master
+# SIGTERM and SIGINT stop the run after the step under way, with a checkpoint; a second one at once (guard.py)
+stop = guard.Stop(master, writing=os.path.join(out_dir, "ckpt.pt.tmp"))
+device = procs.start(device)
 
 if gradient_accumulation_steps % world_size:
     die(f"gradient_accumulation_steps={gradient_accumulation_steps} (the total over all processes) is not divisible "
@@ -221,69 +145,41 @@ if gradient_accumulation_steps % world_size:
 accum_steps = gradient_accumulation_steps // world_size  # micro-batches this process runs per step
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 device_type = device.split(":")[0]
-if compile is None:
-    compile = device_type == "cuda"
+compile = device_type == "cuda" if compile is None else compile
 if device_type == "cpu":
     # Deep Post-LN stacks produce tiny (denormal) gradients in their early visits; CPUs compute on denormals many
     # times slower (measured: 2 blocks x 32 loops, 5.1 s a step without this, 0.44 s with it, same loss)
     torch.set_flush_denormal(True)
 
 
-def lock_out_dir():
-    """Make out_dir and hold out_dir/train.lock for as long as this process lives: a second train.py on the same
-    out_dir stops here. The OS releases an flock when its holder dies, even by SIGKILL, so a dead run blocks nothing."""
-    global lock_file
-    os.makedirs(out_dir, exist_ok=True)
-    lock_path = os.path.join(out_dir, "train.lock")
-    lock_file = open(lock_path, "a+")
-    try:
-        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock_file.seek(0)
-        holder = lock_file.read().strip() or "a process that has not written its pid yet"
-        die(f"{out_dir} is in use by another train.py ({holder}); wait for it to end, stop it with kill -TERM, or "
-            f"choose another --out_dir")
-    except OSError as e:  # e.g. Lustre mounted without -o flock
-        print(f"note: cannot lock {lock_path} ({e.strerror}): nothing keeps a second run out of {out_dir}")
-    lock_file.truncate(0)
-    lock_file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    lock_file.flush()
-    if os.path.exists(os.path.join(out_dir, "ckpt.pt.tmp")):
-        os.remove(os.path.join(out_dir, "ckpt.pt.tmp"))  # a checkpoint cut short by a killed run
-
-
-on_master(lock_out_dir)
+lock_file = procs.on_master(lambda: guard.lock_out_dir(out_dir))  # one run per out_dir
 # The reader is a pure function of (seed, split, index): the data position is the step number, which makes resuming
 # exact and lets DDP ranks split a step's micro-batches between them. Evaluation windows are fixed and the same in
 # every run on a dataset, whatever its seed, so that runs with other seeds or schemes are compared on the same text;
 # the train-split ones are drawn with a seed that training does not use (EVAL_SEED).
 task = dataset in TASKS  # made on the fly: answers at some positions only, and their accuracy by k at evaluations
+splits = ((seed, "train"), (EVAL_SEED, "train"), (EVAL_SEED, "val"))  # training, and the evaluations' two
 try:
     if task:
-        train_data, train_eval_data, val_data = (make_task(globals(), split, s) for s, split in
-                                                 ((seed, "train"), (EVAL_SEED, "train"), (EVAL_SEED, "val")))
+        train_data, train_eval_data, val_data = (make_task(globals(), split, s) for s, split in splits)
         meta = dict(tokenizer=val_data.name, vocab_size=val_data.vocab_size)
     else:
         # builtin and builtin_bytes are made here when missing (by the master; the others wait for it)
-        on_master(lambda: prepare_builtin_if_missing(dataset))
+        procs.on_master(lambda: prepare_builtin_if_missing(dataset))
         data_dir = os.path.join("data", dataset)
         meta = load_meta(data_dir)  # a missing dataset: the error names the command that prepares it
-        train_data = TokenWindows(data_dir, "train", block_size, seed)
-        train_eval_data = TokenWindows(data_dir, "train", block_size, EVAL_SEED)
-        val_data = TokenWindows(data_dir, "val", block_size, EVAL_SEED)
+        train_data, train_eval_data, val_data = (TokenWindows(data_dir, split, block_size, s) for s, split in splits)
 except (ValueError, FileNotFoundError) as e:
     die(str(e))
 vocab_size = -(-meta["vocab_size"] // 64) * 64  # the tokenizer's n_vocab padded to a multiple of 64: faster matmuls
 
 
-def to_device(batch):
-    if device_type == "cuda":  # pinned memory lets the copy run while the GPU still works on the previous batch
-        return [t.pin_memory().to(device, non_blocking=True) for t in batch]
-    return [t.to(device) for t in batch]
+def to_device(batch):  # on CUDA from pinned memory: the copy runs while the GPU still works on the previous batch
+    return [t.pin_memory().to(device, non_blocking=True) if device_type == "cuda" else t.to(device) for t in batch]
 
 
 # model and optimizer
-model_args = {f.name: globals()[f.name] for f in dataclasses.fields(GPTConfig)}  # vocab_size: from the data
+model_args = {k: globals()[k] for k in GPTConfig.__dataclass_fields__}  # vocab_size: from the data
 try:
     gpt_config = GPTConfig(**model_args)
 except ValueError as e:
@@ -292,7 +188,7 @@ torch.manual_seed(seed)  # the same initial weights on every rank (DDP would bro
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 if init_from == "scratch":
     raw_model = GPT(gpt_config).to(device)
-    iter_num, best_val_loss = 0, math.inf
+    iter_num, best_val_loss, evaluated = 0, math.inf, False
 else:
     try:
         raw_model, checkpoint = GPT.from_checkpoint(ckpt_path, device)
@@ -303,13 +199,11 @@ else:
             f"resume with the run's chain settings" if task else f"{ckpt_path} was trained on "
             f"{checkpoint['tokenizer']} tokens but data/{dataset} holds {meta['tokenizer']} tokens; resume with the "
             f"dataset it was trained on")
-    # against the loaded model's config: a checkpoint older than a setting means its default
-    changed = [f"{k}={v!r} (checkpoint: {getattr(raw_model.config, k)!r})" for k, v in model_args.items()
-               if getattr(raw_model.config, k) != v]
-    # the loop counts a run trains with are in its config; a checkpoint older than them trained at fixed n_loop
-    changed += [f"{k}={v!r} (checkpoint: {checkpoint['config'].get(k, default)!r})"
-                for (k, v), default in zip(vars(train_loops).items(), vars(TrainLoops()).values())
-                if checkpoint["config"].get(k, default) != v]
+    # the model's settings against the loaded model's config (a checkpoint older than a setting means its default),
+    # the loop counts against the run's config (a checkpoint older than them trained at fixed n_loop)
+    saved = {**vars(TrainLoops()), **checkpoint["config"], **vars(raw_model.config)}
+    changed = [f"{k}={v!r} (checkpoint: {saved[k]!r})" for k, v in {**model_args, **vars(train_loops)}.items()
+               if saved[k] != v]
     if changed:
         die(f"resuming {ckpt_path} with another model: {', '.join(changed)}; use the run's config unchanged")
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
@@ -337,62 +231,32 @@ if init_from == "resume":
     del checkpoint  # frees its copy of the weights and optimizer state
 if compile:
     raw_model.compile_blocks()  # in place, every block and the loss: one graph serves every loop count
-model = raw_model  # evaluation runs this one: no DDP collectives
-# backprop_loops leaves the position embedding without a gradient, which DDP must be told about
-train_model = TruncatedBackprop(model, backprop_loops) if backprop_loops else model
-ddp_model = DDP(train_model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None,
-                find_unused_parameters=backprop_loops > 0) if ddp else train_model
-
-
-def gather(obj):
-    """obj of every process, in rank order (a collective: all processes call it)."""
-    if not ddp:
-        return [obj]
-    objs = [None] * world_size
-    dist.all_gather_object(objs, obj)
-    return objs
+# training runs model, evaluation raw_model (no DDP collectives). DDP must know when a step may leave parameters
+# without a gradient: the earlier loops' under backprop_loops, LoopInput's at a step of one loop (it feeds loops 2 on)
+fewest_loops = {"fixed": n_loop, "uniform": loop_min}.get(loop_sampling, 1)  # lognormal_poisson draws 1 + Poisson
+unused = backprop_loops > 0 or loop_input != "none" and fewest_loops == 1
+trained = TruncatedBackprop(raw_model, backprop_loops) if backprop_loops else raw_model  # lab.loops: Huginn's
+model = DDP(trained, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None,
+            find_unused_parameters=unused) if ddp else trained
 
 
 def save_checkpoint(evaluated):
-    """Write ckpt.pt atomically: to a temporary file, synced to disk, then renamed over the old one. A process killed
-    at any moment leaves either the previous checkpoint or the new one, never half a file. A failed write (a full
-    disk) removes the temporary file, keeps the previous checkpoint, and stops every process with one line."""
-    global saved_iter, saved_time
-    read_losses()  # the NaN guard: weights that a non-finite loss has spoiled are never saved
-    rng = gather(rng_states(device))
-
-    def write():
-        checkpoint = dict(program="deeploop-train", model=raw_model.state_dict(), model_args=model_args,
-                          tokenizer=meta["tokenizer"], optimizer=optimizer.state_dict(),
-                          scaler=scaler.state_dict() if scaler.is_enabled() else None, iter_num=iter_num,
-                          best_val_loss=best_val_loss, evaluated=evaluated, config={k: globals()[k] for k in config},
-                          rng=rng)
-        tmp_path = ckpt_path + ".tmp"
-        try:
-            with open(tmp_path, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp_path, ckpt_path)
-        except (OSError, RuntimeError) as e:
-            # torch.save reports a failed write as a RuntimeError, with the OSError as its __context__
-            error = e if isinstance(e, OSError) else e.__context__
-            if not isinstance(error, OSError):
-                raise
-            if os.path.exists(tmp_path):
-                os.remove(tmp_path)
-            fail_write(ckpt_path, error)
-    on_master(write)
-    saved_iter, saved_time = iter_num, time.monotonic()
+    pending.read()  # the NaN guard: weights that a non-finite loss has spoiled are never saved
+    rng = procs.gather(rng_states(device))  # every process's generators, so that each one's dropout resumes exactly
+    ckpt.save(procs, iter_num, lambda: dict(
+        program="deeploop-train", model=raw_model.state_dict(), model_args=model_args, tokenizer=meta["tokenizer"],
+        optimizer=optimizer.state_dict(), scaler=scaler.state_dict() if scaler.is_enabled() else None,
+        iter_num=iter_num, best_val_loss=best_val_loss, evaluated=evaluated, config={k: globals()[k] for k in config},
+        rng=rng))
 
 
 @torch.no_grad()
 def estimate_loss():
-    """Mean loss over eval_iters fixed batches per split, the train split at n_loop and the val split at each of
-    eval_loop_counts (test-time depth); DDP processes share the batches out and sum. -> (losses, accuracy):
-    losses = dict(train=, val= (at n_loop), val_by_loops={loops: loss}); on a task, accuracy = the val split's
-    accuracy by k at each loop count ({loops: {"1": accuracy, ...}}; else None): the answer is the most likely token."""
-    model.eval()
+    """Mean loss over eval_iters fixed batches per split, train at n_loop and val at each of eval_loop_counts (test-time
+    depth), the batches shared out among DDP processes -> (losses, accuracy): losses = dict(train=, val= (at n_loop),
+    val_by_loops={loops: loss}); on a task, the val split's accuracy by k at each loop count ({loops: {"1": accuracy,
+    ...}}, the answer being the most likely token), else None."""
+    raw_model.eval()
     losses, accuracy = {}, None
     for split, data, loop_counts in (("train", train_eval_data, [n_loop]), ("val", val_data, eval_loop_counts)):
         totals = torch.zeros(len(loop_counts), device=device)
@@ -402,37 +266,21 @@ def estimate_loss():
             inputs = to_device((x, y))
             for i, loops in enumerate(loop_counts):
                 with autocast:
-                    logits, loss = model(*inputs, n_loop=loops)
+                    logits, loss = raw_model(*inputs, n_loop=loops)
                 totals[i] += loss.float()
                 if task and split == "val":
                     batch_hits, batch_counts = hits_by_k(val_data, logits.argmax(-1).cpu(), x, y)
                     hits[i], counts[i] = hits[i] + batch_hits, counts[i] + batch_counts
-        if ddp:
-            dist.all_reduce(totals)
-        losses[split + "_by_loops"] = dict(zip(loop_counts, (totals / eval_iters).tolist()))
+        losses[split + "_by_loops"] = dict(zip(loop_counts, (procs.all_reduce(totals) / eval_iters).tolist()))
         losses[split] = losses[split + "_by_loops"][n_loop]
         if task and split == "val":
-            hits, counts = torch.tensor(gather((hits.tolist(), counts.tolist())), dtype=torch.float64).sum(0)
+            hits, counts = torch.tensor(procs.gather((hits.tolist(), counts.tolist())), dtype=torch.float64).sum(0)
             accuracy = {loops: accuracy_by_k(h, c) for loops, h, c in zip(loop_counts, hits, counts)}
-    model.train()
+    raw_model.train()
     return losses, accuracy
 
 
-def loop_diagnostics():
-    """model.loop_diagnostics on the first train-eval batch (the same batch at every evaluation), on the raw model,
-    eager: it runs the blocks one visit at a time, which neither torch.compile nor DDP need to see. Not in float16:
-    its gradients, taken without loss scaling, would underflow in the early visits; float32 instead."""
-    x, y = to_device(train_eval_data.batch(0, batch_size))
-    raw_model.eval()  # no dropout: the diagnostics are deterministic and draw no random numbers
-    with autocast if dtype != "float16" else nullcontext(), torch.compiler.set_stance("force_eager"):
-        diagnostics = stream_diagnostics(raw_model, x, y)
-    raw_model.train()
-    return diagnostics
-
-
 def get_lr(it):
-    if not decay_lr:
-        return learning_rate
     if it < warmup_iters:
         return learning_rate * (it + 1) / (warmup_iters + 1)
     if it >= lr_decay_iters:
@@ -441,58 +289,44 @@ def get_lr(it):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
 
 
-def kept():
-    return f"{ckpt_path} keeps step {saved_iter}" if saved_iter is not None else "this run wrote no checkpoint yet"
+metrics = guard.MetricsLog(os.path.join(out_dir, "metrics.jsonl"))  # the run's records, one JSON line each
 
 
-def stop_diverged(what, value, step):
-    """A non-finite loss ends the run before anything is saved, so ckpt.pt keeps the last good state."""
-    pbar.close()
-    if master:
-        die(f"{what} is {value} at step {step}: training diverged; {kept()} (the last good state); lower "
-            f"learning_rate or raise warmup_iters")
-    sys.exit(2)
+def log(record):
+    if metrics.write(record) and wandb_log and record["type"] != "start":
+        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "iter"}
+        numbers.update({f"kappa_{b}": k for b, k in enumerate(record.get("loop", {}).get("kappa", []))})
+        wandb.log({f"{record['type']}/{k}": v for k, v in numbers.items()}, step=record["iter"])
 
 
-def fail_write(path, error):
-    die(f"writing {path} failed at step {iter_num}: {error.strerror or error}; {kept()}; make room (or fix the "
-        f"folder) and resume with --init_from=resume")
+def log_eval(losses, accuracy):
+    """An evaluation's line and record, with the loop diagnostics (lab.probes) on the first train-eval batch
+    (the same at every evaluation), eager, since torch.compile need not see its visit-by-visit run. Not in float16: its
+    gradients, taken without loss scaling, would underflow in the early visits; float32 instead."""
+    raw_model.eval()  # no dropout: the diagnostics are deterministic and draw no random numbers
+    with autocast if dtype != "float16" else nullcontext(), torch.compiler.set_stance("force_eager"):
+        diagnostics = loop_diagnostics(raw_model, *to_device(train_eval_data.batch(0, batch_size)))
+    raw_model.train()
+    kappa, by_loops = diagnostics["kappa"], losses["val_by_loops"]
+    depth = f"; val loss at {'/'.join(map(str, by_loops))} loops " \
+            f"{'/'.join(f'{loss:.3f}' for loss in by_loops.values())}" if len(by_loops) > 1 else ""
+    tqdm.write(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, kappa_R (R={n_loop}) "
+               f"min {min(kappa):.2f} mean {sum(kappa) / len(kappa):.2f} max {max(kappa):.2f}{depth}")
+    if task:
+        tqdm.write(f"  val accuracy by k = 1..{len(accuracy[n_loop])}: {format_by_k(accuracy[n_loop])}")
+        if len(accuracy) > 1:
+            hardest = max(accuracy[n_loop], key=int)
+            tqdm.write(f"  val accuracy at k = {hardest} at {'/'.join(map(str, accuracy))} loops: "
+                       f"{'/'.join(f'{by_k[hardest]:.2f}' for by_k in accuracy.values())}")
+    log(dict(type="eval", iter=iter_num, tokens=iter_num * tokens_per_iter, train_loss=losses["train"],
+             val_loss=losses["val"], val_loss_by_loops=by_loops, loop=diagnostics,
+             **(dict(accuracy=accuracy[n_loop], accuracy_by_loops=accuracy) if task else {})))
 
 
-# The loss of each step stays on the device until a log line, the NaN guard or a checkpoint needs it: reading it
-# every step would make the host wait for the device every step
-pending_losses = []  # (step, sum of the step's micro-batch losses on this process)
-
-
-def read_losses():
-    """{step: mean loss} of the steps since the last read, over all processes, with one host-device sync for all of
-    them. The NaN guard: stops the run at the first non-finite one (a collective: all processes call it)."""
-    if not pending_losses:
-        return {}
-    sums = torch.stack([loss_sum for _, loss_sum in pending_losses])
-    if ddp:
-        dist.all_reduce(sums)
-    steps = [step for step, _ in pending_losses]
-    losses = {step: loss_sum / gradient_accumulation_steps for step, loss_sum in zip(steps, sums.tolist())}
-    pending_losses.clear()
-    for step, loss in losses.items():
-        if not math.isfinite(loss):
-            stop_diverged("train loss", loss, step)
-    return losses
-
-
-# logging
-def open_logs():
-    global metrics_file, peak_flops, peak_source, wandb
-    metrics_path = os.path.join(out_dir, "metrics.jsonl")
-    if init_from == "resume" and os.path.isfile(metrics_path):
-        with open(metrics_path, "rb+") as f:  # a record cut short by a run killed while writing it goes
-            whole = f.read().rfind(b"\n") + 1
-            if whole < f.seek(0, os.SEEK_END):
-                print(f"note: {metrics_path} ended in a record cut short; removed it")
-                f.truncate(whole)
-    # unbuffered: each record is one write, and a failed one is cut off again (log)
-    metrics_file = open(metrics_path, "ab" if init_from == "resume" else "wb", buffering=0)
+def start_logs():
+    """On the master: the logs opened, the run described, and its start record written."""
+    global peak_flops, peak_source, wandb
+    metrics.open(append=init_from == "resume")
     peak_flops, peak_source = (peak_flops, "peak_flops") if peak_flops > 0 else default_peak_flops(device, dtype)
     if wandb_log:
         try:
@@ -500,35 +334,6 @@ def open_logs():
         except ImportError:
             die("wandb_log=True needs the wandb package: pip install wandb (or leave wandb_log off)")
         wandb.init(project=wandb_project, name=wandb_run_name, config=config)
-
-
-on_master(open_logs)
-log_error = None  # the master's failed metrics write: every process stops at the next step (see the loop)
-
-
-def log(record):
-    """Append one JSON line to metrics.jsonl (and send the numbers to wandb). A failed write (a full disk) is cut off
-    again, so that the file never holds half a record, and the run stops at its next step."""
-    global log_error
-    if log_error:
-        return
-    line, end = (json.dumps(record) + "\n").encode(), metrics_file.tell()
-    try:
-        written = 0
-        while written < len(line):
-            written += metrics_file.write(line[written:])
-    except OSError as e:
-        metrics_file.truncate(end)
-        metrics_file.seek(end)
-        log_error = e
-        return
-    if wandb_log and record["type"] != "start":
-        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "iter"}
-        numbers.update({f"kappa_{b}": k for b, k in enumerate(record.get("loop", {}).get("kappa", []))})
-        wandb.log({f"{record['type']}/{k}": v for k, v in numbers.items()}, step=record["iter"])
-
-
-if master:
     n_params = raw_model.num_params()
     print(f"{n_params / 1e6:.2f}M parameters, {n_layer} blocks x {n_loop} loops ({residual}), vocab {vocab_size} "
           f"({meta['tokenizer']}), {tokens_per_iter:,} tokens per step on {world_size} x {device} in {dtype}, "
@@ -540,6 +345,9 @@ if master:
     if loop_sampling != "fixed" or backprop_loops:
         print(f"training loop counts: {loop_sampling}, mean {train_loops.mean or n_loop:g}"
               f"{f', backprop through the last {backprop_loops}' if backprop_loops else ''}; evaluation at {n_loop}")
+    if loop_input != "none" and (train_loops.mean or n_loop) == 1:  # useless, not wrong: the run trains without it
+        print(f"warning: loop_input={loop_input} never trains: every step runs one loop, and the input is fed into "
+              f"loops 2 on (model.LoopInput); use --loop_input=none or more loops", file=sys.stderr)
     task_record = {}
     if task:
         # guesses that do not follow the chains, scored on the evaluation's own val batches
@@ -550,90 +358,53 @@ if master:
     log(dict(type="start", iter=iter_num, resumed=init_from == "resume", params=n_params, world_size=world_size,
              config={k: globals()[k] for k in config}, **task_record))
 
+
+procs.on_master(start_logs)
+
 # ---------------------------------------------------------------------------------------------------------------------
 # training loop. Step iter_num trains on micro-batches iter_num * gradient_accumulation_steps + 0, 1, ...; process
 # `rank` takes its accum_steps consecutive ones, so 2 processes x 2 micro-batches see what 1 process x 4 sees.
-first_iter, saved_iter = iter_num, iter_num if init_from == "resume" else None
-saved_time = time.monotonic()
+ckpt = guard.CheckpointFile(ckpt_path, iter_num if init_from == "resume" else None)  # the step ckpt.pt holds
+pending = guard.PendingLosses(procs, gradient_accumulation_steps, ckpt, stop)  # train losses, and the NaN guard
 if master and init_from == "resume" and iter_num >= max_iters:
     print(f"{ckpt_path} is at step {iter_num} already; raise --max_iters to train on")
-
-
-def stop(signum):
-    """Every process ends here once ckpt.pt holds step iter_num; the master says how to resume."""
-    pbar.close()
-    if master:
-        command = [sys.argv[0]] + [a for a in sys.argv[1:] if not a.startswith("--init_from=")]
-        launcher = " (launched as this run was)" if ddp else ""
-        print(f"stopped by {signal.Signals(signum).name}: {ckpt_path} holds step {iter_num}; resume with: "
-              f"python {shlex.join(command)} --init_from=resume{launcher}", flush=True)
-    sys.exit(STOPPED)
-
-
-# a terminal gets a progress bar; a file or a CI log gets one plain line per log_interval instead
-bar = master and sys.stderr.isatty()
+bar = master and sys.stderr.isatty()  # a terminal gets a progress bar; a file or a CI log one line per log_interval
 pbar = tqdm(total=max_iters, initial=iter_num, disable=not bar, dynamic_ncols=True, desc="train")
 window_start, window_steps, window_flops = time.perf_counter(), 0, 0
-training = True
+stop.start_training(pbar)
 while True:
-    # Every process takes the same decisions at the same step: stop (a signal reached one of them, or the master
-    # could not write metrics.jsonl), or write a time-based checkpoint
-    signum, checkpoint_due, failed = agree(
-        stop_signal, checkpoint_minutes > 0 and time.monotonic() - saved_time > checkpoint_minutes * 60,
-        log_error is not None)
-    if failed:
-        pbar.close()
-        if master:
-            fail_write(metrics_file.name, log_error)
-        sys.exit(2)
+    # every process decides alike at each step (guard.py): stop on a signal or a failed metrics write, or checkpoint
+    signum, checkpoint_due, log_failed = procs.agree(stop.signum, ckpt.due(checkpoint_minutes), bool(metrics.error))
+    if log_failed:
+        stop.end(2, master and ckpt.write_failed(metrics.path, metrics.error, iter_num))
     eval_due = iter_num % eval_interval == 0 or iter_num >= max_iters
-    if signum or (checkpoint_due and not eval_due):
-        if saved_iter != iter_num:
-            save_checkpoint(evaluated=False)
-            if master and not signum:
-                tqdm.write(f"step {iter_num}: wrote {ckpt_path} ({checkpoint_minutes:g} minutes since the last one)")
-        if signum:
-            stop(signum)
-    # Evaluate (and checkpoint) every eval_interval steps and at the end; a resumed run skips its first step's when
-    # the run that wrote the checkpoint has already done and logged it.
-    if eval_due and not (init_from == "resume" and iter_num == first_iter and evaluated):
-        read_losses()  # a non-finite train loss is named first, before the evaluation it spoils
+    if (signum or checkpoint_due and not eval_due) and ckpt.step != iter_num:
+        save_checkpoint(evaluated=False)
+        if master and not signum:
+            tqdm.write(f"step {iter_num}: wrote {ckpt_path} ({checkpoint_minutes:g} minutes since the last one)")
+    if signum:
+        stop.end(guard.STOPPED, ckpt.stopped(signum, sys.argv, ddp))
+    # Evaluate and write ckpt.pt every eval_interval steps and at the end (at every evaluation, not only when val loss
+    # improves: resuming must continue from the latest state), unless ckpt.pt holds this step evaluated already: a
+    # resumed run's first step, when the run that wrote the checkpoint has done and logged its evaluation.
+    if eval_due and not (ckpt.step == iter_num and evaluated):
+        pending.read()  # a non-finite train loss is named first, before the evaluation it spoils
         losses, accuracy = estimate_loss()
-        for split in ("train", "val"):
-            if not math.isfinite(losses[split]):
-                stop_diverged(f"{split} loss", losses[split], iter_num)
-        best_val_loss = min(best_val_loss, losses["val"])
-        diagnostics = loop_diagnostics() if master else None
-        # At every evaluation, not only when val loss improves: resuming must continue from the latest state.
-        # best_val_loss travels in the checkpoint for information.
+        pending.check(iter_num, {f"{split} loss": losses[split] for split in ("train", "val")})
+        best_val_loss = min(best_val_loss, losses["val"])  # travels in the checkpoint for information
         save_checkpoint(evaluated=True)
         if master:
-            kappa = diagnostics["kappa"]
-            by_loops = losses["val_by_loops"]
-            depth = f"; val loss at {'/'.join(map(str, by_loops))} loops " \
-                    f"{'/'.join(f'{loss:.3f}' for loss in by_loops.values())}" if len(by_loops) > 1 else ""
-            tqdm.write(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, kappa_R "
-                       f"(R={n_loop}) min {min(kappa):.2f} mean {sum(kappa) / len(kappa):.2f} max {max(kappa):.2f}"
-                       f"{depth}")
-            if task:
-                tqdm.write(f"  val accuracy by k = 1..{len(accuracy[n_loop])}: {format_by_k(accuracy[n_loop])}")
-                if len(accuracy) > 1:
-                    hardest = max(accuracy[n_loop], key=int)
-                    tqdm.write(f"  val accuracy at k = {hardest} at {'/'.join(map(str, accuracy))} loops: "
-                               f"{'/'.join(f'{by_k[hardest]:.2f}' for by_k in accuracy.values())}")
-            log(dict(type="eval", iter=iter_num, tokens=iter_num * tokens_per_iter, train_loss=losses["train"],
-                     val_loss=losses["val"], val_loss_by_loops=by_loops, loop=diagnostics,
-                     **(dict(accuracy=accuracy[n_loop], accuracy_by_loops=accuracy) if task else {})))
+            log_eval(losses, accuracy)
         window_start, window_steps, window_flops = time.perf_counter(), 0, 0  # evaluation time is not in tokens/s, MFU
         # a signal during the evaluation stops here: ckpt.pt holds this step, and another step would mean another
         # write within the scheduler's grace period
-        signum, = agree(stop_signal)
+        signum, = procs.agree(stop.signum)
         if signum and iter_num < max_iters:
-            stop(signum)
+            stop.end(guard.STOPPED, ckpt.stopped(signum, sys.argv, ddp))
     if iter_num >= max_iters:
         break
 
-    lr = get_lr(iter_num)
+    lr = get_lr(iter_num) if decay_lr else learning_rate
     for group in optimizer.param_groups:
         group["lr"] = lr
     loss_sum = torch.zeros((), device=device)
@@ -643,13 +414,13 @@ while True:
         x, y = to_device(train_data.batch(index, batch_size, curriculum_hops(iter_num, chain_curriculum, chain_hops))
                          if task else train_data.batch(index, batch_size))
         # DDP averages gradients over processes in backward; only the last micro-batch's backward needs to
-        with ddp_model.no_sync() if ddp and micro < accum_steps - 1 else nullcontext():
+        with model.no_sync() if ddp and micro < accum_steps - 1 else nullcontext():
             with autocast:
                 # not holding on to the (B, T, vocab) logits: backward needs less memory
-                loss = ddp_model(x, y, n_loop=step_loops)[1]
+                loss = model(x, y, n_loop=step_loops)[1]
             scaler.scale(loss / accum_steps).backward()
         loss_sum += loss.detach().float()
-    pending_losses.append((iter_num, loss_sum))
+    pending.add(iter_num, loss_sum)
     scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else math.inf)
     scaler.step(optimizer)
@@ -659,16 +430,15 @@ while True:
     # MFU counts the loops each step ran, the backward pass over its tracked loops only (lab.flops)
     window_steps += 1
     window_flops += flops_per_token(raw_model, step_loops, backprop_loops) * tokens_per_iter
-    if iter_num % log_interval == 0 or len(pending_losses) >= 100:  # 100: the NaN guard looks at least that often
-        loss_value = read_losses()[iter_num]
+    if iter_num % log_interval == 0 or len(pending) >= 100:  # 100: the NaN guard looks at least that often
+        loss_value = pending.read()[iter_num]
         if master and iter_num % log_interval == 0:
             dt = (time.perf_counter() - window_start) / window_steps  # seconds per step since the last record
             tokens_per_sec = tokens_per_iter / dt
             mfu = window_flops / window_steps / dt / (peak_flops * world_size)
             log(dict(type="train", iter=iter_num, tokens=(iter_num + 1) * tokens_per_iter, loss=loss_value, lr=lr,
-                     loops=step_loops,
-                     grad_norm=grad_norm.item() if grad_norm.isfinite() else None,  # inf: a skipped float16 step
-                     tokens_per_sec=tokens_per_sec, mfu=mfu))
+                     loops=step_loops, grad_norm=grad_norm.item() if grad_norm.isfinite() else None,
+                     tokens_per_sec=tokens_per_sec, mfu=mfu))  # grad_norm inf: a float16 step that GradScaler skipped
             window_start, window_steps, window_flops = time.perf_counter(), 0, 0
             progress = f"loss {loss_value:.4f} lr {lr:.2e} tok/s {tokens_per_sec:,.0f} mfu {mfu:.1%}"
             if bar:
@@ -680,8 +450,8 @@ while True:
 
 pbar.close()
 if master:
-    if log_error:
-        fail_write(metrics_file.name, log_error)
-    metrics_file.close()
+    if metrics.error:
+        die(ckpt.write_failed(metrics.path, metrics.error, iter_num))
+    metrics.close()
     if wandb_log:
         wandb.finish()

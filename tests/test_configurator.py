@@ -45,6 +45,9 @@ def test_literal_eval_never_runs_code():
     (["--batch_size=3.5"], "config key 'batch_size' in --batch_size must be int (like 12), got float 3.5"),
     (["--compile=1"], "config key 'compile' in --compile must be bool"),
     (["--n_loop"], "override --n_loop has no value; write it as --n_loop=value"),
+    (["--n_loop=None"], "config key 'n_loop' in --n_loop must be int (like 2), got NoneType None"),
+    (["--learning_rate=None"], "config key 'learning_rate' in --learning_rate must be float (like 0.0006), got "
+                               "NoneType None"),
     (["config/nope.py"], "config file not found: config/nope.py"),
 ])
 def test_errors_are_one_line_with_exit_code_2(argv, message, capsys):
@@ -72,3 +75,16 @@ def test_error_from_a_script_has_no_traceback(tmp_path):
     r = subprocess.run([sys.executable, str(script), "--n_loop=two"], capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr == "error: config key 'n_loop' in --n_loop must be int (like 2), got str 'two'\n"
+
+
+def test_none_only_where_the_default_is_none(tmp_path, capsys):
+    """A numeric setting given None ran on until the first arithmetic with it failed in a traceback."""
+    ns = defaults()
+    configure(ns, ["--top_k=None"])  # its default is None: None is one of its values
+    assert ns["top_k"] is None
+    cfg = tmp_path / "c.py"
+    cfg.write_text("batch_size = None\n")
+    with pytest.raises(SystemExit) as e:
+        configure(defaults(), [str(cfg)])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"error: config key 'batch_size' in {cfg} must be int (like 12), got NoneType None\n"

@@ -277,6 +277,22 @@ def test_two_ddp_processes_equal_one_with_twice_the_accumulation(workdir):
         records(workdir / "single", "eval")[-1]["val_loss"], rel=1e-6)
 
 
+def test_ddp_trains_a_loop_input_that_a_step_of_one_loop_leaves_unused(workdir):
+    """The injected input enters from the second loop on (model.LoopInput): a step of one loop leaves its parameters
+    without a gradient, and DDP, unless told, fails at the next step (Expected to have finished reduction ...).
+    Huginn's log-normal Poisson draws 1 loop at step 0 here; concat at a fixed n_loop=1 runs one at every step."""
+    args = ["--gradient_accumulation_steps=4", "--max_iters=3", "--eval_interval=100", "--loop_input=concat",
+            "--loop_sampling=lognormal_poisson", "--loop_mean=2.0"]
+    train(workdir, "--out_dir=inject-single", *args)
+    train(workdir, "--out_dir=inject-ddp", *args, nproc=2)
+    assert [r["loops"] for r in records(workdir / "inject-ddp", "train")] == [1, 2, 4]  # TrainLoops.draw(1337, 0..2)
+    single, ddp = load(workdir / "inject-single"), load(workdir / "inject-ddp")
+    for key, tensor in single["model"].items():
+        torch.testing.assert_close(ddp["model"][key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+    train(workdir, "--out_dir=inject-one", "--loop_input=concat", "--n_loop=1", "--max_iters=2", nproc=2)
+    assert load(workdir / "inject-one")["iter_num"] == 2
+
+
 def test_sampled_loop_counts_continue_on_resume_and_evaluations_report_several_depths(workdir):
     train(workdir, "--out_dir=sampled", "--max_iters=4", "--eval_loops=1,3", *SAMPLED)
     result = train(workdir, "--out_dir=sampled", "--max_iters=8", "--init_from=resume", "--eval_loops=1,3", *SAMPLED)
@@ -327,6 +343,25 @@ def test_a_loop_count_or_seed_out_of_range_is_a_one_line_error(overrides, messag
     result = train(workdir, f"--out_dir={tmp_path / 'typo'}", "--max_iters=0", *overrides, expect_rc=2)
     assert result.stderr == f"error: {message}\n"
     assert not (tmp_path / "typo" / "metrics.jsonl").exists() and not (tmp_path / "typo" / "ckpt.pt").exists()
+
+
+def test_chain_settings_on_text_are_a_one_line_error_and_a_loop_input_no_step_reads_a_warning(workdir, tmp_path):
+    """chain_* settings mean something on dataset=chains only: on text they stop the run before it writes anything
+    (at their defaults, as a task's config file run on text sets them, they pass). A loop_input at one loop a step
+    is merely useless (it is fed into loops 2 on): the run trains, with a warning."""
+    for overrides, changed in [(["--chain_curriculum=100"], "chain_curriculum=100"),
+                               (["--chain_pointers=foo", "--chain_hops=3"], "chain_hops=3, chain_pointers='foo'")]:
+        result = train(workdir, f"--out_dir={tmp_path / 'chains'}", "--max_iters=0", *overrides, expect_rc=2)
+        assert result.stderr == f"error: chain settings only apply to dataset=chains, not fixture ({changed}); leave " \
+                                f"them at their defaults or use --dataset=chains\n"
+        assert not (tmp_path / "chains").exists()
+    train(workdir, f"--out_dir={tmp_path / 'defaults'}", "--max_iters=0", "--chain_hops=6", "--chain_values=8")
+    warning = ("warning: loop_input=concat never trains: every step runs one loop, and the input is fed into loops 2 on "
+               "(model.LoopInput); use --loop_input=none or more loops")
+    for overrides, warned in [(["--n_loop=1"], True), (["--n_loop=1", *SAMPLED], False),
+                              (["--loop_sampling=uniform", "--loop_min=1", "--loop_max=1"], True)]:
+        result = train(workdir, f"--out_dir={tmp_path / 'unread'}", "--max_iters=1", "--loop_input=concat", *overrides)
+        assert (warning in result.stderr.splitlines()) == warned, result.stderr
 
 
 def test_mfu_counts_the_loops_each_step_ran(workdir):

@@ -1,0 +1,306 @@
+"""
+What keeps a long training run safe: train.py's machinery for stopping, saving and failing well, apart from the
+training itself. Its guarantees (docs/preemption.md says how to use them on a cluster):
+
+- Stop on request. SIGTERM (what a cluster's scheduler sends before it kills a job) and SIGINT (Ctrl-C) let the step
+  under way finish; then ckpt.pt holds that step, the master prints the command that resumes the run, and every
+  process exits with STOPPED (75). A second signal, a second or more later, ends the process at once with the shell's
+  code for it (128 + its number), and ckpt.pt stays the previous one, whole. Before training starts, a signal stops
+  at once.
+- One run per out_dir: a run holds out_dir/train.lock (an flock) while it lives, and a second one stops at once. The
+  OS drops the lock however its holder dies, so a dead run blocks nothing.
+- ckpt.pt is only ever replaced whole: written under another name, synced to disk, then renamed over the old one. A
+  process killed at any moment leaves the previous checkpoint or the new one; a failed write (a full disk) removes the
+  temporary file and keeps the previous checkpoint.
+- metrics.jsonl never holds half a record: a failed write is cut off again (and the run stops at its next step), and
+  a record cut short by a killed run is removed when the run resumes.
+- The NaN guard: a non-finite train loss stops the run before it is saved, so ckpt.pt keeps the last good state.
+- DDP: every decision to stop or to save is taken by all processes at the same step (Processes.agree), and a failure
+  on the master stops every process instead of leaving the others waiting in a collective until its timeout.
+A run that its input or its machine keeps from going on ends with one line on stderr and exit code 2
+(configurator.die).
+"""
+
+import atexit
+import fcntl
+import json
+import math
+import os
+import shlex
+import signal
+import socket
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from configurator import die
+
+STOPPED = 75  # exit code of a run stopped by a signal after writing its checkpoint (sysexits' EX_TEMPFAIL: try later)
+
+
+class Processes:
+    """This process among the DDP processes that torchrun started, from the RANK and WORLD_SIZE it gives each of them;
+    without those, the one process of the run (rank 0 of 1, no collectives)."""
+
+    def __init__(self):
+        self.ddp = "RANK" in os.environ
+        self.rank, self.world_size = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if self.ddp else (0, 1)
+        self.master = self.rank == 0  # the one process that prints, logs and writes files
+        self.cpu_group = None  # the process group of agree(); on CPU the default one
+
+    def start(self, device):
+        """Join the process group -> the device this process runs on (under DDP on CUDA: its own GPU)."""
+        if not self.ddp:
+            return device
+        if device.startswith("cuda"):
+            # launchers other than torchrun may set RANK only; ranks are numbered node by node, a GPU each
+            device = f"cuda:{os.environ.get('LOCAL_RANK', self.rank % torch.cuda.device_count())}"
+            torch.cuda.set_device(device)
+            dist.init_process_group(backend="nccl", device_id=torch.device(device))
+            self.cpu_group = dist.new_group(backend="gloo")
+        else:
+            dist.init_process_group(backend="gloo")
+        # Every way out after this (an agreed stop, die(), an error, the end) tears the process group down while Python
+        # is still whole (atexit runs first at exit). Left to the interpreter's teardown, gloo's worker threads can drop
+        # the last collective's tensors after Python is gone, and the process aborts (SIGABRT) instead of exiting with
+        # its code; destroy_process_group joins those threads first.
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+        return device
+
+    def agree(self, *flags):
+        """The largest value of each flag over all processes: a collective, which every process calls at the same
+        point, so that all of them take the same decision. On CUDA it runs over CPU tensors (a gloo group), so agreeing
+        never waits for the GPU's queued work."""
+        flags = torch.tensor(flags, dtype=torch.int64)
+        if self.ddp:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        return flags.tolist()
+
+    def all_reduce(self, tensor):
+        """tensor summed over all processes, in place (a collective) -> tensor."""
+        if self.ddp:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def gather(self, obj):
+        """obj of every process, in rank order (a collective: all processes call it)."""
+        if not self.ddp:
+            return [obj]
+        objs = [None] * self.world_size
+        dist.all_gather_object(objs, obj)
+        return objs
+
+    def on_master(self, step):
+        """step() on the master only -> what it returned there (None elsewhere). If it fails every process stops with
+        it: the others would otherwise wait in their next collective until its timeout (10 minutes or more). die() in
+        step has printed its line already."""
+        code, result = 0, None
+        if self.master:
+            try:
+                result = step()
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except Exception:
+                traceback.print_exc()
+                code = 1
+        code, = self.agree(code)
+        if code:
+            sys.exit(code)
+        return result
+
+
+class Stop:
+    """How this process stops. On request: the signal handler only takes note (signum); the training loop stops at the
+    start of its next step, when every DDP process has learnt of it (Processes.agree). Before training starts there is
+    nothing to save, and a signal stops at once; so does a second signal. master: whether this process is the one that
+    writes ckpt.pt (its temporary file `writing`, which a second signal removes) and says why the run ended."""
+
+    def __init__(self, master, writing):
+        self.master, self.writing, self.bar = master, writing, None
+        self.signum, self.time, self.training = 0, 0.0, False
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+
+    def start_training(self, bar):
+        """From here on a signal lets the step under way finish; bar: the progress bar, closed before the last line."""
+        self.training, self.bar = True, bar
+
+    def end(self, code, message):
+        """Every process ends here, with code; the master says why: code 2 as an error (configurator.die), else on
+        stdout, after the progress bar has closed so that the line is one of its own."""
+        if self.bar is not None:
+            self.bar.close()
+        if self.master:
+            if code == 2:
+                die(message)
+            print(message, flush=True)
+        sys.exit(code)
+
+    def on_signal(self, signum, frame):
+        # torchrun passes each signal it gets on to its processes, which may have had it already (Ctrl-C reaches every
+        # process of the terminal): a repeat within a second is the same request
+        if self.training and (not self.signum or time.monotonic() - self.time < 1):
+            self.signum, self.time = self.signum or signum, self.time or time.monotonic()
+            return
+        if self.training and self.master and os.path.exists(self.writing):
+            os.remove(self.writing)  # a checkpoint being written: ckpt.pt is still the previous one, whole
+        when = "before training started" if not self.training else "without saving (a second signal)"
+        os.write(2, f"\nstopped by {signal.Signals(signum).name} {when}\n".encode())
+        os._exit(128 + signum)  # the shell's code for a process ended by this signal
+
+
+def lock_out_dir(out_dir):
+    """Make out_dir and take out_dir/train.lock -> the open lock file, which holds the lock for as long as it stays
+    open: a second train.py on the same out_dir stops here. The OS releases an flock when its holder dies, even by
+    SIGKILL, so a dead run blocks nothing."""
+    os.makedirs(out_dir, exist_ok=True)
+    lock_path = os.path.join(out_dir, "train.lock")
+    lock_file = open(lock_path, "a+")
+    try:
+        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock_file.seek(0)
+        holder = lock_file.read().strip() or "a process that has not written its pid yet"
+        lock_file.close()
+        die(f"{out_dir} is in use by another train.py ({holder}); wait for it to end, stop it with kill -TERM, or "
+            f"choose another --out_dir")
+    except OSError as e:  # e.g. Lustre mounted without -o flock
+        print(f"note: cannot lock {lock_path} ({e.strerror}): nothing keeps a second run out of {out_dir}")
+    lock_file.truncate(0)
+    lock_file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    lock_file.flush()
+    if os.path.exists(os.path.join(out_dir, "ckpt.pt.tmp")):
+        os.remove(os.path.join(out_dir, "ckpt.pt.tmp"))  # a checkpoint cut short by a killed run
+    return lock_file
+
+
+class CheckpointFile:
+    """ckpt.pt, only ever replaced whole, and the step it holds (step None: this run has written none yet); time:
+    when it was last written."""
+
+    def __init__(self, path, step=None):
+        self.path, self.step, self.time = path, step, time.monotonic()
+
+    def save(self, processes, step, checkpoint):
+        """checkpoint() written by the master (a collective: all processes call it). Atomically: to a temporary file,
+        synced to disk, then renamed over the old one. A failed write (a full disk) removes the temporary file, keeps
+        the previous checkpoint, and stops every process with one line."""
+        processes.on_master(lambda: self._write(checkpoint(), step))
+        self.step, self.time = step, time.monotonic()
+
+    def _write(self, checkpoint, step):
+        tmp_path = self.path + ".tmp"
+        try:
+            with open(tmp_path, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp_path, self.path)
+        except (OSError, RuntimeError) as e:
+            # torch.save reports a failed write as a RuntimeError, with the OSError as its __context__
+            error = e if isinstance(e, OSError) else e.__context__
+            if not isinstance(error, OSError):
+                raise
+            if os.path.exists(tmp_path):
+                os.remove(tmp_path)
+            die(self.write_failed(self.path, error, step))
+
+    def due(self, minutes):
+        """Whether more than minutes have passed since the last write (never when minutes is 0)."""
+        return minutes > 0 and time.monotonic() - self.time > minutes * 60
+
+    def kept(self):
+        return f"{self.path} keeps step {self.step}" if self.step is not None else "this run wrote no checkpoint yet"
+
+    def write_failed(self, path, error, step):
+        """The line for a failed write of path (this checkpoint or another file of the run) at step."""
+        return (f"writing {path} failed at step {step}: {error.strerror or error}; {self.kept()}; make room (or fix "
+                f"the folder) and resume with --init_from=resume")
+
+    def stopped(self, signum, argv, ddp):
+        """The line for a run stopped by signum once this file holds its step: the command line argv again, resuming."""
+        command = [argv[0]] + [a for a in argv[1:] if not a.startswith("--init_from=")]
+        launcher = " (launched as this run was)" if ddp else ""
+        return (f"stopped by {signal.Signals(signum).name}: {self.path} holds step {self.step}; resume with: "
+                f"python {shlex.join(command)} --init_from=resume{launcher}")
+
+
+class MetricsLog:
+    """metrics.jsonl: one JSON record a line, never half a one. Written by the master only, which opens it; error:
+    the write that failed (elsewhere None)."""
+
+    def __init__(self, path):
+        self.path, self.file, self.error = path, None, None
+
+    def open(self, append):
+        """A resumed run appends (a record cut short by a run killed while writing it goes first); a new one starts
+        the file afresh."""
+        if append and os.path.isfile(self.path):
+            with open(self.path, "rb+") as f:
+                whole = f.read().rfind(b"\n") + 1
+                if whole < f.seek(0, os.SEEK_END):
+                    print(f"note: {self.path} ended in a record cut short; removed it")
+                    f.truncate(whole)
+        # unbuffered: each record is one write, and a failed one is cut off again (write)
+        self.file = open(self.path, "ab" if append else "wb", buffering=0)
+
+    def write(self, record):
+        """Append record as one JSON line -> whether it was written. A failed write (a full disk) is cut off again,
+        so that the file never holds half a record; error keeps it, and no record is written after it (train.py stops
+        every process at its next step)."""
+        if self.error:
+            return False
+        line, end = (json.dumps(record) + "\n").encode(), self.file.tell()
+        try:
+            written = 0
+            while written < len(line):
+                written += self.file.write(line[written:])
+        except OSError as e:
+            self.file.truncate(end)
+            self.file.seek(end)
+            self.error = e
+            return False
+        return True
+
+    def close(self):
+        self.file.close()
+
+
+class PendingLosses:
+    """The train losses not read yet, and the NaN guard over them and the evaluations' losses: a non-finite one ends
+    the run before anything is saved, so that ckpt (a CheckpointFile) keeps the last good state. The loss of each step
+    stays on the device until a log line, the NaN guard or a checkpoint needs it: reading it every step would make the
+    host wait for the device every step. micro_batches: a step's micro-batches over all processes."""
+
+    def __init__(self, processes, micro_batches, ckpt, stop):
+        self.processes, self.micro_batches, self.ckpt, self.stop = processes, micro_batches, ckpt, stop
+        self.steps = []  # (step, sum of the step's micro-batch losses on this process)
+
+    def __len__(self):
+        return len(self.steps)
+
+    def add(self, step, loss_sum):
+        self.steps.append((step, loss_sum))
+
+    def read(self):
+        """{step: mean loss} of the steps since the last read, over all processes, with one host-device sync for all of
+        them. The NaN guard: stops the run at the first non-finite one (a collective: all processes call it)."""
+        if not self.steps:
+            return {}
+        sums = self.processes.all_reduce(torch.stack([loss_sum for _, loss_sum in self.steps]))
+        losses = {step: loss_sum / self.micro_batches for (step, _), loss_sum in zip(self.steps, sums.tolist())}
+        self.steps.clear()
+        for step, loss in losses.items():
+            self.check(step, {"train loss": loss})
+        return losses
+
+    def check(self, step, losses):
+        """Stop every process at the first non-finite one of losses ({what: value} at step; all processes call it with
+        the same values)."""
+        for what, value in losses.items():
+            if not math.isfinite(value):
+                self.stop.end(2, f"{what} is {value} at step {step}: training diverged; {self.ckpt.kept()} (the last "
+                                 f"good state); lower learning_rate or raise warmup_iters")
