@@ -25,12 +25,13 @@ from tqdm import tqdm
 import guard
 from configurator import configure, die
 from dataset import EVAL_SEED, TokenWindows, load_meta
-from model import GPT, MAX_LOOPS, GPTConfig
+from model import GPT, GPTConfig
+from prepare_data import prepare_builtin_if_missing
+from runtime import default_peak_flops, precision, rng_states, set_rng_states, tune_malloc
+# the lab's instruments that train.py offers: FLOPs for MFU, sampled loop counts, stream probes, the depth task
 from lab.flops import flops_per_token
 from lab.loops import TrainLoops, TruncatedBackprop
 from lab.probes import loop_diagnostics
-from prepare_data import prepare_builtin_if_missing
-from runtime import default_peak_flops, precision, rng_states, set_rng_states, tune_malloc
 from lab.tasks import TASKS, accuracy_by_k, best_shortcut, curriculum_hops, format_by_k, hits_by_k, make_task, shortcuts
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -115,22 +116,13 @@ if min(eval_interval, eval_iters, log_interval, gradient_accumulation_steps, bat
 if dataset not in TASKS and (chains := [f"{k}={config[k]!r}" for k, v in chain_defaults.items() if config[k] != v]):
     die(f"chain settings only apply to dataset=chains, not {dataset} ({', '.join(chains)}); leave them at their "
         f"defaults or use --dataset=chains")
-if chain_curriculum < 0:
-    die(f"chain_curriculum must be >= 0 (steps over which chains grow to chain_hops; 0: off), got {chain_curriculum}")
 if not 0 <= seed < 2 ** 31:  # numpy takes no negative seeds, and seed + rank seeds its 32-bit generator
     die(f"seed must be from 0 to 2**31 - 1, got {seed}")
 try:
     train_loops = TrainLoops(loop_sampling, loop_min, loop_max, loop_mean, backprop_loops)
+    eval_loop_counts = train_loops.eval_counts(eval_loops, n_loop)  # val loss at each (n_loop's is val_loss)
 except ValueError as e:
     die(str(e))
-try:
-    eval_loop_counts = [int(c) for c in eval_loops.split(",")] if eval_loops else \
-        [1, 2 * n_loop] if loop_sampling != "fixed" else []
-except ValueError:
-    eval_loop_counts = [0]
-if not all(1 <= c <= MAX_LOOPS for c in eval_loop_counts):
-    die(f"eval_loops must be loop counts from 1 to {MAX_LOOPS} separated by commas, like \"1,2,4\", got {eval_loops!r}")
-eval_loop_counts = sorted({n_loop, *eval_loop_counts})  # n_loop's val loss is the one that val_loss reports
 
 # DDP: torchrun starts one process per device and tells each its RANK and WORLD_SIZE (guard.Processes)
 procs = guard.Processes()
@@ -340,8 +332,7 @@ def start_logs():
           f"MFU against {peak_flops:.3g} FLOP/s per device ({peak_source})")
     print(f"dtype {dtype}: {dtype_reason}")
     if batch_size < 2:
-        print("note: batch_size=1 gives the stream probes no second sequence to score on: evaluations record no "
-              "token_probe or position_probe")
+        print("note: batch_size=1 leaves the stream probes (lab.probes) no sequence to score on: none are recorded")
     if loop_sampling != "fixed" or backprop_loops:
         print(f"training loop counts: {loop_sampling}, mean {train_loops.mean or n_loop:g}"
               f"{f', backprop through the last {backprop_loops}' if backprop_loops else ''}; evaluation at {n_loop}")
@@ -349,10 +340,9 @@ def start_logs():
         print(f"warning: loop_input={loop_input} never trains: every step runs one loop, and the input is fed into "
               f"loops 2 on (model.LoopInput); use --loop_input=none or more loops", file=sys.stderr)
     task_record = {}
-    if task:
-        # guesses that do not follow the chains, scored on the evaluation's own val batches
-        x, y = zip(*(val_data.batch(index, batch_size) for index in range(eval_iters)))
-        task_record = dict(shortcuts=shortcuts(val_data, torch.cat(x), torch.cat(y)))
+    if task:  # guesses that do not follow the chains, scored on the evaluation's own val batches
+        x, y = (torch.cat(t) for t in zip(*(val_data.batch(index, batch_size) for index in range(eval_iters))))
+        task_record = dict(shortcuts=shortcuts(val_data, x, y))
         print(f"{val_data.name}: chance {1 / chain_values:.3f}; the best shortcut (not following the chains) by k = "
               f"1..{chain_hops}: {format_by_k(best_shortcut(task_record['shortcuts']))}")
     log(dict(type="start", iter=iter_num, resumed=init_from == "resume", params=n_params, world_size=world_size,

@@ -63,6 +63,19 @@ class TrainLoops:
         return {"fixed": None, "uniform": (self.loop_min + self.loop_max) / 2, "lognormal_poisson": self.loop_mean}[
             self.loop_sampling]
 
+    def eval_counts(self, eval_loops, n_loop):
+        """The loop counts an evaluation reports val loss at (test-time depth): train.py's eval_loops ("1,2,4"; "": 1
+        and 2 * n_loop where the count is sampled, none else), and always n_loop, whose loss is val_loss."""
+        try:
+            counts = [int(c) for c in eval_loops.split(",")] if eval_loops else \
+                [1, 2 * n_loop] if self.loop_sampling != "fixed" else []
+        except ValueError:
+            counts = [0]
+        if not all(1 <= c <= MAX_LOOPS for c in counts):
+            raise ValueError(f"eval_loops must be loop counts from 1 to {MAX_LOOPS} separated by commas, like "
+                             f"\"1,2,4\", got {eval_loops!r}")
+        return sorted({n_loop, *counts})
+
     def draw(self, seed, step):
         """The loop count of optimizer step `step` (None for fixed): a pure function of (seed, step), not of a random
         stream that training consumes, so that every DDP process and every micro-batch of a step draws the same count

@@ -178,6 +178,9 @@ def require_text(checkpoint, out_dir):
 def make_task(config, split, seed):
     """The task of a run from its settings (train.py's globals, or a checkpoint's "config"; one older than
     chain_pointers had absolute pointers)."""
+    if config.get("chain_curriculum", 0) < 0:
+        raise ValueError(f"chain_curriculum must be >= 0 (steps over which chains grow to chain_hops; 0: off), got "
+                         f"{config['chain_curriculum']}")
     return TASKS[config["dataset"]](config["chain_values"], config["chain_hops"], config["block_size"], seed, split,
                                     config.get("chain_pointers", "absolute"))
 
