@@ -1,35 +1,58 @@
 """A local stand-in for the Hugging Face hub, for tests: it answers the HTTP requests that huggingface_hub 2.4.0 (its
-httpx2 client) makes for HfApi.dataset_info, HfApi.list_repo_files and hf_hub_download, so that the real client,
-pointed at it with HF_ENDPOINT, runs end to end without a network. Standard library only; 127.0.0.1 only.
+httpx2 client) makes for HfApi.dataset_info, HfApi.list_repo_files, hf_hub_download and snapshot_download (of dataset
+and model repositories), and for HfApi.create_repo and HfApi.upload_folder (model repositories), so that the real
+client, pointed at it with HF_ENDPOINT, runs end to end without a network. Standard library only; 127.0.0.1 only.
 
-The requests, as read in huggingface_hub 2.4.0 (hf_api.py, file_download.py, utils/_http.py, utils/_pagination.py)
-and logged from it; {repo} is "namespace/name" as is, {revision} URL-quoted whole ("refs%2Fconvert%2Fparquet"):
+The requests, as read in huggingface_hub 2.4.0 (hf_api.py, file_download.py, _commit_api.py, lfs.py, utils/_http.py,
+utils/_pagination.py) and logged from it; {kind} is "datasets" or "models", {repo} is "namespace/name" as is,
+{revision} URL-quoted whole ("refs%2Fconvert%2Fparquet"), {prefix} "datasets/" for a dataset and nothing for a model:
 
-    GET  /api/datasets/{repo}/revision/{revision}     -> {"id", "sha"}: the commit the revision points to
-    GET  /api/datasets/{repo}/tree/{revision}[/{folder}]?recursive=true&expand=false[&cursor=k]
+    GET  /api/{kind}/{repo}/revision/{revision}       -> {"id", "sha"}: the commit the revision points to
+    GET  /api/{kind}/{repo}                           -> the same, of main
+    GET  /api/{kind}/{repo}/tree/{revision}[/{folder}]?recursive=true&expand=false[&cursor=k]
                                                        -> a page of PAGE entries {"type": "file" | "directory", "path",
                                                           "oid", "size"[, "lfs"]}, the next page in a Link header
-    HEAD /datasets/{repo}/resolve/{revision}/{path}   -> 302 to the file on the "CDN" (the second port, another origin,
+    HEAD /{prefix}{repo}/resolve/{revision}/{path}    -> 302 to the file on the "CDN" (the second port, another origin,
                                                           so the client sends it no token), with X-Repo-Commit,
                                                           X-Linked-Etag (the sha256, the blob's name in the cache) and
                                                           X-Linked-Size; a GET gets the same
     GET  /cdn/{sha256}                                -> the bytes; "Range: bytes=N-" gets 206 and Content-Range
+  writing (each needs "Authorization: Bearer {write_token}", else 401):
+    POST /api/repos/create {"name", "organization"[, "type"]}
+                                                       -> {"url"}, a first commit holding .gitattributes, as the hub
+                                                          makes; 409 when the repository exists
+    POST /api/{kind}/{repo}/preupload/{revision} {"files": [{"path", "sample", "size"}]}
+                                                       -> {"files": [{"path", "uploadMode", "shouldIgnore", "oid"}]}:
+                                                          "lfs" for weights (LFS_SUFFIXES) and for a sample holding a
+                                                          NUL byte (binary), else "regular"
+    POST /{prefix}{repo}.git/info/lfs/objects/batch {"objects": [{"oid", "size"}]}
+                                                       -> each object with an upload action to PUT /lfs/{oid} on the
+                                                          CDN, or none when the hub has those bytes
+    PUT  /lfs/{oid}                                   -> the bytes kept, when their sha256 is the oid
+    POST /api/{kind}/{repo}/commit/{revision}         an NDJSON body: a "header" line, then "file" (base64 content),
+                                                          "lfsFile" (an uploaded oid) and "deletedFile" lines
+                                                       -> {"commitUrl", "commitOid"}: a new commit of the revision
+    POST /api/validate-yaml                           -> {"warnings": []}: every model card's metadata is accepted
 
 The client also asks once per process for GET /api/agent-harnesses (a 404 here, as for every other path). Errors come
 as the hub sends them: the status, X-Error-Code (RepoNotFound, RevisionNotFound, EntryNotFound, GatedRepo), a JSON
 {"error": ...} body. Not spoken: Xet transfers (no X-Xet-Hash header, so the client downloads over plain HTTP, as it
-does from the hub when hf_xet is not installed), uploads, and everything else of the API.
+does from the hub when hf_xet is not installed; uploads need HF_HUB_DISABLE_XET=1), multipart LFS uploads, pull
+requests, and everything else of the API.
 
     hub = Hub()                            # started: hub.url is the HF_ENDPOINT to use
-    commit = hub.add("owner/name", {"data/0.parquet": b"..."}, revision="main")
+    commit = hub.add("owner/name", {"data/0.parquet": b"..."}, revision="main")   # a dataset; repo_type="model"
     hub.token = "hf_x"                     # a gated repo: downloads need "Authorization: Bearer hf_x", else 401
+    hub.write_token = "hf_w"               # the token that may write (None: no one may)
     hub.status = 500                       # every request answered with this status (the hub is down)
+    hub.failing["/api/models/owner/name/commit/"] = 403   # requests whose path starts so get this status
     hub.cut(data, after=1000, then_status=503)  # the next download of data drops its connection after 1000 bytes
                                                 # (and the hub answers 503 from then on)
     hub.requests                           # (method, path, headers) of every request, in order
     hub.close()
 """
 
+import base64
 import hashlib
 import http.server
 import json
@@ -38,13 +61,17 @@ import threading
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 PAGE = 3  # entries per page of a tree listing (the hub's is 1000): small, so that a listing takes several pages
+LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".parquet")  # among the hub's .gitattributes ones
+GITATTRIBUTES = b"".join(b"*%s filter=lfs diff=lfs merge=lfs -text\n" % suffix.encode() for suffix in LFS_SUFFIXES)
 
 
 class Hub:
     def __init__(self):
-        self.repos = {}  # repo id -> {"refs": {revision: commit}, "commits": {commit: {path: bytes}}}
+        # ("datasets" or "models", repo id) -> {"refs": {revision: commit}, "commits": {commit: {path: bytes}}}
+        self.repos = {}
         self.blobs = {}  # sha256 -> bytes, what the CDN serves
         self.requests, self.token, self.status, self._cut = [], None, None, None
+        self.write_token, self.failing = None, {}
         self.errors = []  # exceptions raised while answering (a client that went away, or a bug here)
         self.lock = threading.Lock()
         handler = type("Handler", (Handler,), {"hub": self})
@@ -55,12 +82,13 @@ class Hub:
         for thread in self.threads:
             thread.start()
 
-    def add(self, repo_id, files, revision="main"):
+    def add(self, repo_id, files, revision="main", repo_type="dataset"):
         """A new commit of repo_id holding files ({path: bytes}), to which revision now points -> its sha."""
-        commit = hashlib.sha1(json.dumps([repo_id, revision, len(self.repos.get(repo_id, {}).get("commits", {})),
+        key = (f"{repo_type}s", repo_id)
+        commit = hashlib.sha1(json.dumps([*key, revision, len(self.repos.get(key, {}).get("commits", {})),
                                           sorted((p, hashlib.sha256(b).hexdigest()) for p, b in files.items())]
                                          ).encode()).hexdigest()
-        repo = self.repos.setdefault(repo_id, {"refs": {}, "commits": {}})
+        repo = self.repos.setdefault(key, {"refs": {}, "commits": {}})
         repo["refs"][revision], repo["commits"][commit] = commit, dict(files)
         for data in files.values():
             self.blobs[hashlib.sha256(data).hexdigest()] = data
@@ -102,33 +130,52 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.answer()
 
+    def do_POST(self):
+        self.answer()
+
+    def do_PUT(self):
+        self.answer()
+
     def answer(self):
         hub, url = self.hub, urlsplit(self.path)
         segments = url.path.split("/")[1:]  # still quoted: a quoted revision holds slashes
         with hub.lock:
             hub.requests.append((self.command, url.path, {k.lower(): v for k, v in self.headers.items()}))
+        body = self.read_body() if self.command in ("POST", "PUT") else b""
         if hub.status:
             return self.error(hub.status, None, "the hub is down")
-        if segments[:2] == ["api", "datasets"] and len(segments) >= 6 and segments[4] in ("revision", "tree"):
-            repo_id, commit, files = self.resolve(segments[2:4], segments[5])
+        failing = [status for prefix, status in hub.failing.items() if url.path.startswith(prefix)]
+        if failing:
+            return self.error(failing[0], None, f"{url.path} is refused here")
+        if self.command in ("POST", "PUT"):
+            return self.write(segments, body)
+        if segments[:1] == ["api"] and len(segments) >= 4 and segments[1] in ("datasets", "models"):
+            kind = segments[1]
+            if len(segments) == 4:  # repo_info of main
+                segments = [*segments, "revision", "main"]
+            if len(segments) < 6 or segments[4] not in ("revision", "tree"):
+                return self.error(404, None, f"no such path: {url.path}")
+            repo_id, commit, files = self.resolve(kind, segments[2:4], segments[5])
             if commit is None:
                 return
             if segments[4] == "revision":
-                return self.json(200, {"id": repo_id, "sha": commit, "private": False, "gated": bool(hub.token)})
+                return self.json(200, {"id": repo_id, "sha": commit, "private": False, "gated": bool(hub.token),
+                                       "siblings": [{"rfilename": name} for name in sorted(files)]})
             query = parse_qs(url.query)
             if query.get("recursive") != ["true"]:  # what list_repo_files asks for; nothing else is spoken here
                 return self.error(400, None, "only recursive listings are served here")
             return self.tree(files, unquote("/".join(segments[6:])), int(query.get("cursor", ["0"])[0]), url.path,
                              query)
-        if segments[:1] == ["datasets"] and len(segments) >= 6 and segments[3] == "resolve":
-            repo_id, commit, files = self.resolve(segments[1:3], segments[4])
+        kind, rest = ("datasets", segments[1:]) if segments[:1] == ["datasets"] else ("models", segments)
+        if len(rest) >= 5 and rest[2] == "resolve" and segments[0] not in ("api", "cdn"):
+            repo_id, commit, files = self.resolve(kind, rest[:2], rest[3])
             if commit is None:
                 return
-            path = unquote("/".join(segments[5:]))
+            path = unquote("/".join(rest[4:]))
             if path not in files:
                 return self.error(404, "EntryNotFound", f"{path} is not in {repo_id}", commit=commit)
             if hub.token and self.headers.get("Authorization") != f"Bearer {hub.token}":
-                return self.error(401, "GatedRepo", f"Access to dataset {repo_id} is restricted. You must have "
+                return self.error(401, "GatedRepo", f"Access to {kind[:-1]} {repo_id} is restricted. You must have "
                                   "access to it and be authenticated to access it. Please log in.")
             sha256 = hashlib.sha256(files[path]).hexdigest()
             return self.send(302, b"", {"Location": f"{hub.cdn_url}/cdn/{sha256}", "X-Repo-Commit": commit,
@@ -138,10 +185,95 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return self.download(segments[1])
         return self.error(404, None, f"no such path: {url.path}")
 
-    def resolve(self, repo_segments, quoted_revision):
+    def read_body(self):
+        """The request's body, sent with a Content-Length or in chunks."""
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            chunks = []
+            while True:
+                size = int(self.rfile.readline().split(b";")[0], 16)
+                chunk = self.rfile.read(size)
+                self.rfile.readline()  # the CRLF after the chunk
+                if not size:
+                    return b"".join(chunks)
+                chunks.append(chunk)
+        return self.rfile.read(int(self.headers.get("Content-Length", 0)))
+
+    def write(self, segments, body):
+        """The requests that change the hub (or may lead to a change)."""
+        hub = self.hub
+        if segments == ["api", "validate-yaml"]:
+            return self.json(200, {"warnings": []})
+        if segments[:1] == ["lfs"] and len(segments) == 2:  # on the CDN: a presigned address, no token
+            if hashlib.sha256(body).hexdigest() != segments[1]:
+                return self.error(400, None, "the bytes do not have the sha256 of the address")
+            hub.blobs[segments[1]] = body
+            return self.send(200, b"", {})
+        if hub.write_token is None or self.headers.get("Authorization") != f"Bearer {hub.write_token}":
+            return self.error(401, None, "Invalid username or password.")
+        if segments == ["api", "repos", "create"]:
+            asked = json.loads(body)
+            kind = f"{asked.get('type') or 'model'}s"
+            repo_id = "/".join(filter(None, (asked.get("organization"), asked["name"])))
+            url = f"{hub.url}/{'datasets/' if kind == 'datasets' else ''}{repo_id}"
+            if (kind, repo_id) in hub.repos:
+                return self.json(409, {"error": f"You already created this {kind[:-1]} repo", "url": url})
+            hub.add(repo_id, {".gitattributes": GITATTRIBUTES}, repo_type=kind[:-1])
+            return self.json(200, {"url": url, "name": repo_id})
+        if segments[:1] == ["api"] and len(segments) == 6 and segments[4] in ("preupload", "commit"):
+            kind, repo_segments, revision = segments[1], segments[2:4], segments[5]
+            repo_id, commit, files = self.resolve(kind, repo_segments, revision)
+            if commit is None:
+                return
+            if segments[4] == "preupload":
+                asked = json.loads(body)["files"]
+                return self.json(200, {"files": [self.upload_mode(entry, files) for entry in asked]})
+            return self.commit(kind, repo_id, unquote(revision), files, body)
+        kind, rest = ("datasets", segments[1:]) if segments[:1] == ["datasets"] else ("models", segments)
+        if len(rest) == 6 and rest[1].endswith(".git") and rest[2:] == ["info", "lfs", "objects", "batch"]:
+            objects = [{"oid": o["oid"], "size": o["size"], "authenticated": True,
+                        **({} if o["oid"] in hub.blobs else
+                           {"actions": {"upload": {"href": f"{hub.cdn_url}/lfs/{o['oid']}"}}})}
+                       for o in json.loads(body)["objects"]]
+            return self.json(200, {"transfer": "basic", "objects": objects})
+        return self.error(404, None, f"no such path: /{'/'.join(segments)}")
+
+    @staticmethod
+    def upload_mode(entry, files):
+        """How the client is to send a file, and the oid of the file now at that path (the client skips a file
+        whose oid it has already)."""
+        sample = base64.b64decode(entry["sample"])
+        lfs = entry["path"].endswith(LFS_SUFFIXES) or b"\0" in sample
+        mode = {"path": entry["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False}
+        old = files.get(entry["path"])
+        if old is not None:
+            mode["oid"] = hashlib.sha256(old).hexdigest() if lfs else git_oid(old)
+        return mode
+
+    def commit(self, kind, repo_id, revision, files, body):
+        """A new commit of revision: its files, changed by the NDJSON lines of body."""
+        files = dict(files)
+        for line in body.splitlines():
+            item = json.loads(line)
+            value = item["value"]
+            if item["key"] == "file":
+                files[value["path"]] = base64.b64decode(value["content"])
+            elif item["key"] == "lfsFile":
+                if value["oid"] not in self.hub.blobs:
+                    return self.error(422, None, f"{value['path']}: no uploaded object {value['oid']}")
+                files[value["path"]] = self.hub.blobs[value["oid"]]
+            elif item["key"] == "deletedFile":
+                files.pop(value["path"], None)
+            elif item["key"] != "header":
+                return self.error(400, None, f"{item['key']} is not spoken here")
+        commit = self.hub.add(repo_id, files, revision, repo_type=kind[:-1])
+        prefix = "datasets/" if kind == "datasets" else ""
+        self.json(200, {"commitUrl": f"{self.hub.url}/{prefix}{repo_id}/commit/{commit}", "commitOid": commit,
+                        "success": True})
+
+    def resolve(self, kind, repo_segments, quoted_revision):
         """(repo id, commit, files) of a repo at a revision (a ref or a commit); (.., None, ..) once answered 404."""
         repo_id, revision = "/".join(repo_segments), unquote(quoted_revision)
-        repo = self.hub.repos.get(repo_id)
+        repo = self.hub.repos.get((kind, repo_id))
         if repo is None:
             self.error(404, "RepoNotFound", f"Repository not found: {repo_id}")
             return repo_id, None, None
