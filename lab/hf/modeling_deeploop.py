@@ -18,7 +18,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_deeploop import DeepLoopConfig
-from .model import GPT, rotary_tables
+from .model import GPT, Rotary
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -26,7 +26,7 @@ from .model import GPT, rotary_tables
 
 def new_caches(gpt, loops):
     """An empty cache for a pass of `loops` core loops: one entry per unrolled visit."""
-    return gpt.new_kv_cache(loops)
+    return gpt.new_caches(loops)
 
 
 def cached_positions(caches):
@@ -34,17 +34,17 @@ def cached_positions(caches):
 
 
 def logits_of(gpt, idx, loops, caches, last_only):
-    logits, _ = gpt(idx, n_loop=loops, kv_cache=caches, last_only=last_only)
+    logits, _ = gpt(idx, n_loop=loops, caches=caches, last_only=last_only)
     return logits
 
 
-def fill_buffers(gpt):
+def fill_buffers(module):
     """The rotary tables, which are no weights (a function of the config): transformers builds the model with empty
     buffers and asks _init_weights to fill what it did not load."""
-    if getattr(gpt, "rope_cos", None) is not None:
-        cos, sin = rotary_tables(gpt.config.block_size, gpt.config.n_embd // gpt.config.n_head)
-        gpt.rope_cos.copy_(cos)
-        gpt.rope_sin.copy_(sin)
+    if isinstance(module, Rotary):
+        fresh = Rotary(2 * module.cos.size(1), module.cos.size(0))
+        module.cos.copy_(fresh.cos)
+        module.sin.copy_(fresh.sin)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -78,8 +78,7 @@ class DeepLoopForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _init_weights(self, module):
         # The weights come from the file or from model.py's own init (GPT.__init__), never from transformers' init
-        if isinstance(module, GPT):
-            fill_buffers(module)
+        fill_buffers(module)
 
     def get_input_embeddings(self):
         return self.gpt.transformer.wte
