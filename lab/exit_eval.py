@@ -5,8 +5,8 @@ position, at fixed loop counts and with adaptive exit at each KL threshold (lab.
 parallel, up to max_loops); then the same scored through the KV cache one position at a time, as generation computes
 it (teacher forcing), with kv_cache per_visit and last_loop, at the trained loop count and at each threshold.
 
-    python exit_eval.py --out_dir=out-depth-sampled --loops=1,2,3,4,6,8 --exit_thresholds=1e-3,1e-2,1e-1
-    python exit_eval.py --out_dir=out-smoke-sampled --png=docs/adaptive_exit_text.png
+    python -m lab.exit_eval --out_dir=out-depth-sampled --loops=1,2,3,4,6,8 --exit_thresholds=1e-3,1e-2,1e-1
+    python -m lab.exit_eval --out_dir=out-smoke-sampled --png=docs/adaptive_exit_text.png
 
 Each line: how the positions were scored, their mean loops (the spread: standard deviation), val loss, and on a task
 the accuracy at k = 1..max_hops. The figure: val loss (text) or the accuracy at the largest k (task) against the mean
@@ -21,7 +21,7 @@ from torch.nn import functional as F
 
 from configurator import configure, die
 from dataset import EVAL_SEED, TokenWindows
-from model import GPT
+from model import GPT, MAX_LOOPS
 from lab.decode import KV_CACHES, exit_logits, new_caches
 from lab.tasks import TASKS, accuracy_by_k, format_by_k, hits_by_k, make_task
 
@@ -35,19 +35,34 @@ device = "cpu"
 configure(globals(), sys.argv[1:])
 
 try:
+    loop_counts = [int(v) for v in str(loops).split(",")]
+    thresholds = [float(v) for v in str(exit_thresholds).split(",")] if exit_thresholds != "" else []
+except ValueError:
+    die(f"loops must be comma-separated ints and exit_thresholds numbers, got {loops!r} and {exit_thresholds!r}")
+# isinstance: the command line can give None
+if not (all(1 <= n <= MAX_LOOPS for n in loop_counts) and all(t >= 0 for t in thresholds)
+        and isinstance(max_loops, int) and 0 <= max_loops <= MAX_LOOPS
+        and isinstance(cached_batches, int) and cached_batches >= 0):
+    die(f"need loops from 1 to {MAX_LOOPS} (model.MAX_LOOPS), exit_thresholds >= 0 (0 = off), max_loops from 0 (the "
+        f"largest of loops) to {MAX_LOOPS} and cached_batches >= 0, got loops={loops!r} "
+        f"exit_thresholds={exit_thresholds!r} max_loops={max_loops!r} cached_batches={cached_batches!r}")
+if png:  # checked before the evaluation, which can take minutes
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    folder, suffix = os.path.dirname(png) or ".", os.path.splitext(png)[1][1:].lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if not os.path.isdir(folder) or os.path.isdir(png) or not os.access(folder, os.W_OK):
+        die(f"--png={png}: cannot write a file there (no writable folder {folder}); create the folder or name "
+            f"another file")
+    if suffix and suffix not in formats:
+        die(f"--png={png}: matplotlib does not write .{suffix} files; name a file ending in one of "
+            f"{', '.join(sorted(formats))}")
+try:
     model, checkpoint = GPT.from_checkpoint(f"{out_dir}/ckpt.pt", device)
 except (FileNotFoundError, ValueError) as e:
     die(str(e))
 model.eval()
 config = checkpoint["config"]
-try:
-    loop_counts = [int(v) for v in str(loops).split(",")]
-    thresholds = [float(v) for v in str(exit_thresholds).split(",")] if exit_thresholds != "" else []
-except ValueError:
-    die(f"loops must be comma-separated ints and exit_thresholds numbers, got {loops!r} and {exit_thresholds!r}")
-if min(loop_counts) < 1 or not all(t >= 0 for t in thresholds) or max_loops < 0 or cached_batches < 0:
-    die(f"need loops >= 1, exit_thresholds >= 0 (0 = off), max_loops >= 0 and cached_batches >= 0, got loops={loops!r} "
-        f"exit_thresholds={exit_thresholds!r} max_loops={max_loops} cached_batches={cached_batches}")
 max_loops = max_loops or max(loop_counts)
 task = make_task(config, "val", EVAL_SEED) if config.get("dataset") in TASKS else None
 try:

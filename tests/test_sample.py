@@ -1,5 +1,6 @@
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -182,3 +183,43 @@ def test_exit_every_kl_passes_is_one_loop_and_last_loop_at_one_loop_is_per_visit
 def test_bad_exit_and_cache_settings_are_one_line_errors(bytes_run, setting, message):
     result = run("sample.py", f"--out_dir={bytes_run}", "--device=cpu", *setting)
     assert (result.returncode, result.stdout, result.stderr) == (2, "", f"error: {message}\n")
+
+
+# sample.py with torch.compile's eager backend (the same graphs without the compiler's time), and a count of the
+# blocks' calls that ran compiled and of those that did not: is_compiling is True while dynamo traces, and the graph
+# it captures adds 1 to the first tensor at every call (a counter that no guard reads)
+BLOCK_CALLS_COUNTED = """
+import runpy, sys, torch, model
+compiled, eager = torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)
+forward = model.Block.forward
+def counted(self, *args, **kwargs):
+    (compiled if torch.compiler.is_compiling() else eager).add_(1)
+    return forward(self, *args, **kwargs)
+model.Block.forward = counted
+compile = torch.compile
+torch.compile = lambda *args, **options: compile(*args, **{**options, "backend": "eager"})
+try:
+    runpy.run_path("sample.py", run_name="__main__")
+finally:
+    print(f"block calls: {compiled.item()} compiled, {eager.item()} not", file=sys.stderr, flush=True)
+"""
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "ckpt_plain_before_lab.pt")  # 2 blocks x 2 loops, bytes
+# started with the session (conftest.py): compiling takes seconds
+EARLY = {"test_compiled_adaptive_exit_runs_every_block_compiled": lambda folder: [
+    ["-c", f"import os, shutil; os.mkdir({str(folder / 'run')!r}); shutil.copy({FIXTURE!r}, "
+           f"{str(folder / 'run' / 'ckpt.pt')!r})"],
+    ["-c", BLOCK_CALLS_COUNTED, f"--out_dir={folder / 'run'}", "--device=cpu", "--dtype=float32", "--compile=True",
+     "--n_loop=4", "--exit_threshold=1e-12", "--num_samples=2", "--max_new_tokens=60"]]}
+
+
+def test_compiled_adaptive_exit_runs_every_block_compiled(early):
+    """--compile=True compiles the blocks, so that adaptive exit, which runs the loops one by one, runs them compiled
+    (compiling forward would leave it uncompiled): every block call of 120 tokens of up to 4 loops, the window
+    sliding past block_size 32, within dynamo's recompile limit (hitting it is an error in sample.py)."""
+    result, _ = early
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stderr.splitlines()
+    loops = re.fullmatch(r"loops per token: mean ([0-9.]+), .* tokens", lines[-2])
+    assert loops and float(loops.group(1)) > 1.5, lines[-2]  # most tokens ran more than one loop
+    m = re.fullmatch(r"block calls: (\d+) compiled, 0 not", lines[-1])
+    assert m and int(m.group(1)) > 240, lines[-1]  # more than 120 tokens x 2 blocks x 1 loop

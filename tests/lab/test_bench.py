@@ -1,7 +1,11 @@
 import re
+import time
 
 import pytest
+import torch
+import torch._dynamo
 
+from model import GPT
 from scripts import run_script
 
 NUM = r"([0-9.]+)"
@@ -58,38 +62,42 @@ def test_bench_prints_throughput_mfu_and_generation_speed_for_both_depths():
     assert float(m.group(1)) == pytest.approx(found[0][1][0] / found[1][1][0], rel=0.01)  # the ratio of the lines
 
 
-# bench.py with a line on stdout each time it builds a model, to see which rows were printed before
-BUILDS_LOGGED = """
-import runpy, sys
-import model
-init = model.GPT.__init__
-def logged(self, *args, **kwargs):
-    print("(a model is built)", flush=True)
-    init(self, *args, **kwargs)
-model.GPT.__init__ = logged
-runpy.run_module("lab.bench", run_name="__main__", alter_sys=True)
+# bench.py with a count of the blocks' calls that ran compiled and of those that did not: is_compiling is True while
+# dynamo traces, and the graph it captures adds 1 to the first tensor at every call (a counter that no guard reads)
+BLOCK_CALLS_COUNTED = """
+import runpy, torch, model
+compiled, eager = torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)
+forward = model.Block.forward
+def counted(self, *args, **kwargs):
+    (compiled if torch.compiler.is_compiling() else eager).add_(1)
+    return forward(self, *args, **kwargs)
+model.Block.forward = counted
+try:
+    runpy.run_module(RUN, run_name="__main__", alter_sys=True)
+finally:
+    print(f"block calls: {compiled.item()} compiled, {eager.item()} not", flush=True)
 """
 # started with the session (conftest.py): compiling takes 5-20 s
 EARLY = {"test_compiled_depths_with_generation_stay_within_the_recompile_limit": lambda folder: [[
     "-m", "lab.bench", *TINY, "--compare_depths=True", "--compile=True", "--compile_backend=eager", "--dtype=float32"]],
     "test_compare_dtypes_prints_three_rows_and_their_ratios": lambda folder: [[
     "-m", "lab.bench", *TINY, "--compare_dtypes=True", "--compile_backend=eager", "--warmup_steps=0"]],
-    "test_compare_dtypes_prints_each_precision_before_the_next_and_cuts_steps_to_its_share": lambda folder: [[
-    "-c", BUILDS_LOGGED, *TINY, "--compare_dtypes=True", "--compile_backend=eager", "--warmup_steps=2",
-    "--compare_seconds=0"]]}
+    "test_compiled_compare_caches_runs_every_block_compiled_within_the_recompile_limit": lambda folder: [[
+    "-c", BLOCK_CALLS_COUNTED.replace("RUN", repr("lab.bench")), *TINY, "--compare_caches=True", "--compile=True",
+    "--compile_backend=eager", "--dtype=float32", "--gen_tokens=40"]]}
 
 
 def test_compiled_depths_with_generation_stay_within_the_recompile_limit(early):
-    """Two compiled models, each training and generating cached and uncached for 1 and 2 sequences: 14 graphs of one
-    forward, past dynamo's default limit of 8, after which the last calls would silently run uncompiled. bench.py
-    raises the limit to what it needs and makes hitting it an error; the eager backend captures the same graphs
-    without the compiler's minutes."""
+    """Two compiled models, each training and generating cached and uncached for 1 and 2 sequences, within the
+    recompile limit that bench.py sets (hitting it is an error there: past it the calls would silently run
+    uncompiled); the eager backend captures the same graphs without the compiler's minutes."""
     result, _ = early
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert [model[2:] for model, _, _ in rows(lines)] == [("float32", ", compiled")] * 2
-    m = re.fullmatch(r"compile: (\d+) graphs, within the recompile limit of (\d+)", lines[-1])
-    assert m and 8 < int(m.group(1)) <= int(m.group(2)), lines[-1]
+    m = re.fullmatch(r"compile: (\d+) graphs, at most (\d+) of one function, within the recompile limit of (\d+)",
+                     lines[-1])
+    assert m and int(m.group(1)) > 1 and 1 < int(m.group(2)) <= int(m.group(3)), lines[-1]
 
 
 def test_compare_dtypes_prints_three_rows_and_their_ratios(early):
@@ -97,7 +105,8 @@ def test_compare_dtypes_prints_three_rows_and_their_ratios(early):
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert lines[1] == ("compare_dtypes: training only (generation: one precision at a time, by --dtype and "
-                        "--compile), each precision in turn in about 20 s of compare_seconds=60 (compiling is not cut)")
+                        "--compile), each precision in turn within about 20 s of compare_seconds=60, compiling "
+                        "included")
     assert not any(line.startswith(("generate: ", "memory: ")) for line in lines)  # training only
     assert all("(median of 3)" in line for line in lines if line.startswith("train: "))  # all fit the share
     models = [re.fullmatch(MODEL, line) for line in lines if line.startswith("model: ")]
@@ -107,22 +116,8 @@ def test_compare_dtypes_prints_three_rows_and_their_ratios(early):
                      rf"bfloat16 compiled at {NUM}x", lines[-2])
     assert m, lines[-2]
     assert [float(x) for x in m.groups()] == pytest.approx([train[1] / train[0], train[2] / train[0]], abs=0.01)
-    assert re.fullmatch(r"compile: \d+ graphs, within the recompile limit of \d+", lines[-1])
-
-
-def test_compare_dtypes_prints_each_precision_before_the_next_and_cuts_steps_to_its_share(early):
-    """Each precision's rows come before the next precision's model is built; with no time to share, every one skips
-    its second warm-up step and is timed on one step, not three."""
-    result, _ = early
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line.split(":")[0] for line in result.stdout.splitlines()]
-    assert lines[2:] == ["(a model is built)", "model", "train"] * 3 + ["compare", "compile"], result.stdout
-    lines = result.stdout.splitlines()
-    assert "each precision in turn in about 0 s of compare_seconds=0 " in lines[1]
-    train = [line for line in lines if line.startswith("train: ")]
-    assert all("(median of 1)" in line for line in train), train
-    assert re.fullmatch(rf"compare: n_layer=1 x n_loop=3: bfloat16 trains at {NUM}x the tokens/s of float32, "
-                        rf"bfloat16 compiled at {NUM}x", lines[-2]), lines[-2]
+    assert re.fullmatch(r"compile: \d+ graphs, at most \d+ of one function, within the recompile limit of \d+",
+                        lines[-1])
 
 
 CACHE = rf"cache (per_visit|last_loop): {NUM} MB for (\d) x 32 positions, cached {NUM} ms/step \({NUM} tokens/s\)"
@@ -130,10 +125,9 @@ EXIT_TEST = rf"exit test: all 3 loops, each followed by the KL test: {NUM} ms/st
             r"(-?[0-9.]+) ms, a test (-?[0-9.]+) ms"
 
 
-def test_compare_caches_prints_each_layouts_bytes_and_decode_speed_and_the_exit_tests_cost():
-    result = bench("--compare_caches=True", "--dtype=float32", "--compile=False")
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
+def compare_caches_lines(lines):
+    """compare_caches' lines checked: the bytes of each layout, the tokens/s of the printed steps, the exit test's
+    line after each generate line's comparison."""
     caches = [re.fullmatch(CACHE, line) for line in lines if line.startswith("cache ")]
     assert all(caches) and [(m.group(1), m.group(3)) for m in caches] == [
         ("per_visit", "1"), ("last_loop", "1"), ("per_visit", "2"), ("last_loop", "2")]
@@ -146,3 +140,124 @@ def test_compare_caches_prints_each_layouts_bytes_and_decode_speed_and_the_exit_
     # the generate lines are still there, one per sequence count, each followed by its comparison
     generate = [i for i, line in enumerate(lines) if line.startswith("generate: ")]
     assert [lines[i + 1].startswith("cache per_visit: ") for i in generate] == [True, True]
+
+
+def test_compare_caches_prints_each_layouts_bytes_and_decode_speed_and_the_exit_tests_cost():
+    """40 new tokens after 4: past block_size 32, where the window slides, also in the exit test's decoding."""
+    result = bench("--compare_caches=True", "--dtype=float32", "--compile=False", "--gen_tokens=40")
+    assert result.returncode == 0, result.stderr
+    compare_caches_lines(result.stdout.splitlines())
+
+
+def test_compiled_compare_caches_runs_every_block_compiled_within_the_recompile_limit(early):
+    """Compiled, compare_caches decodes with the last_loop cache, at one loop and with the exit test, and here past
+    block_size: more graphs of one function than dynamo's default limit of 8, all within the limit bench.py sets, and
+    every call of a block, the exit test's too, runs compiled (a limit hit fails the run instead)."""
+    result, _ = early
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    compare_caches_lines(lines)
+    m = re.fullmatch(r"compile: \d+ graphs, at most (\d+) of one function, within the recompile limit of (\d+)",
+                     lines[-2])
+    assert m and 8 < int(m.group(1)) <= int(m.group(2)), lines[-2]
+    m = re.fullmatch(r"block calls: (\d+) compiled, 0 not", lines[-1])
+    assert m and int(m.group(1)) > 1000, lines[-1]
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("--loop_input=foo", "unknown loop_input 'foo'; choose one of none, add, concat"),
+    ("--n_prelude=-1", "n_prelude and n_coda must be >= 0 (0 = none), got n_prelude=-1 n_coda=0"),
+    ("--n_loop=5000", "n_loop must be a loop count from 1 to 1024 (model.MAX_LOOPS), got 5000"),
+    ("--n_head=0", "need --warmup_steps >= 0, --timed_steps >= 1, --gen_tokens 0 or >= 2, "),
+    ("--gen_tokens=1", "need --warmup_steps >= 0, --timed_steps >= 1, --gen_tokens 0 or >= 2, "),
+    ("--compile_backend=foo", "Invalid backend: 'foo'"),
+    ("--device=foo", "--device=foo is not usable here (Expected one of cpu, cuda, "),
+])
+def test_bad_settings_are_one_line_errors_before_any_work(setting, message):
+    result = run_script("lab/bench.py", *TINY, "--compile=True", setting)
+    assert result.returncode == 2 and result.stdout == "" and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(f"error: {message}"), result.stderr
+
+
+@pytest.fixture
+def dynamo_settings(monkeypatch):
+    """Dynamo's settings that bench.py changes for its process, put back after a test that runs it here."""
+    for name in ("recompile_limit", "fail_on_recompile_limit_hit"):
+        monkeypatch.setattr(torch._dynamo.config, name, getattr(torch._dynamo.config, name))
+
+
+@pytest.fixture
+def slow_steps(monkeypatch, dynamo_settings):
+    """slow_steps({(dtype, whole batch): seconds}): every forward pass in that precision (float32, or bfloat16 under
+    autocast) on the whole batch of 2 sequences (True) or on fewer, bench's prediction (False), sleeps that long
+    first; and a line on stdout each time a model is built."""
+    forward, init = GPT.forward, GPT.__init__
+
+    def logged(self, *args, **kwargs):
+        print("(a model is built)", flush=True)
+        init(self, *args, **kwargs)
+
+    def setup(seconds):
+        def slowed(self, idx, *args, **kwargs):
+            precision = "bfloat16" if torch.is_autocast_enabled("cpu") else "float32"
+            time.sleep(seconds.get((precision, idx.size(0) == 2), 0))
+            return forward(self, idx, *args, **kwargs)
+        monkeypatch.setattr(GPT, "forward", slowed)
+        monkeypatch.setattr(GPT, "__init__", logged)
+    return setup
+
+
+def test_compare_dtypes_cuts_a_precision_to_its_share_and_reports_one_whose_first_step_overran_it(slow_steps):
+    """A share of 1 s each. float32, 0.3 s a step: after two warm-up steps another would end past its share, so one
+    step is timed. bfloat16, 2.5 s a step, on the batch only: its prediction (on 16 of the 64 tokens) fits, its first
+    step overruns: reported and not timed further. bfloat16 compiled, as slow as bfloat16, is not even built (nothing
+    compiles here). The comparison goes on to its last lines."""
+    slow_steps({("float32", True): 0.3, ("bfloat16", True): 2.5})
+    result = bench("--compare_dtypes=True", "--compare_seconds=3", "--warmup_steps=2", "--compile_backend=eager")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines[2:]] == [
+        "(a model is built)", "model", "train", "(a model is built)", "model", "bfloat16", "bfloat16 compiled",
+        "compare", "compile"], result.stdout
+    assert "each precision in turn within about 1 s of compare_seconds=3, compiling included" in lines[1]
+    float32 = re.fullmatch(r"train: ([0-9.]+) tokens/s, ([0-9.]+) ms/step \(median of 1\), .*", lines[4])
+    assert float32 and float(float32.group(2)) >= 300, lines[4]
+    m = re.fullmatch(r"bfloat16: one step took ([0-9.]+) s, ([0-9.]+)x float32's speed, past its share of 1 s; not "
+                     r"timed further", lines[7])
+    assert m and float(m.group(1)) >= 2.5, lines[7]
+    assert float(m.group(2)) == pytest.approx(float(float32.group(2)) / 1000 / float(m.group(1)), rel=0.06)
+    m = re.fullmatch(r"bfloat16 compiled: one training step would take about ([0-9.]+) s, [0-9.]+x float32's speed "
+                     r"\(as bfloat16 took\), more than its share of 1 s; not timed", lines[8])
+    assert m and float(m.group(1)) >= 2.5, lines[8]
+    assert lines[9] == ("compare: n_layer=1 x n_loop=3: bfloat16 trains at (not timed) the tokens/s of float32, "
+                        "bfloat16 compiled at (not timed)")
+
+
+def test_compare_dtypes_skips_a_precision_whose_predicted_step_overruns_its_share(slow_steps):
+    """bfloat16 takes 0.5 s for any forward pass, so that the prediction (16 of the 64 tokens, scaled by 4) says 2 s,
+    past its share of 1 s, and a try on 4 times the tokens would not fit either: neither bfloat16 precision runs a
+    step, and float32's rows are printed in full."""
+    slow_steps({("bfloat16", True): 0.5, ("bfloat16", False): 0.5})
+    result = bench("--compare_dtypes=True", "--compare_seconds=3", "--compile_backend=eager")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines[2:]] == [
+        "(a model is built)", "model", "train", "(a model is built)", "bfloat16", "bfloat16 compiled", "compare",
+        "compile"], result.stdout
+    assert re.fullmatch(TRAIN, lines[4]), lines[4]  # float32 on all 3 timed steps
+    m = re.fullmatch(r"bfloat16: one training step would take about ([0-9.]+) s, [0-9.]+x float32's speed "
+                     r"\(predicted from a forward and backward on 16 of its 64 tokens\), more than its share of 1 s; "
+                     r"not timed", lines[6])
+    assert m and float(m.group(1)) >= 2, lines[6]
+    assert lines[7].startswith(f"bfloat16 compiled: one training step would take about {m.group(1)} s, ")
+    assert "bfloat16 trains at (not timed) the tokens/s of float32, bfloat16 compiled at (not timed)" in lines[8]
+
+
+def test_compare_dtypes_with_no_time_runs_no_step(dynamo_settings):
+    result = bench("--compare_dtypes=True", "--compare_seconds=0", "--compile_backend=eager")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.split(": one training step would take about ")[0] for line in lines[2:5]] == [
+        "float32", "bfloat16", "bfloat16 compiled"], result.stdout
+    assert lines[5] == ("compare: n_layer=1 x n_loop=3: bfloat16 trains at (not timed) the tokens/s of float32, "
+                        "bfloat16 compiled at (not timed)")

@@ -3,10 +3,9 @@ depth change nothing; a threshold that every KL passes is one loop), it draws it
 one-line errors."""
 
 import os
+import shutil
 
-from scripts import run_script
-
-from scripts import ROOT
+from scripts import ROOT, run_script
 
 
 def rows(stdout):
@@ -29,8 +28,8 @@ def test_exit_eval_rows_agree_where_they_must_and_the_figure_is_drawn(tmp_path):
     r = run_script("train.py", os.path.join(ROOT, "config", "depth_sampled_cpu.py"), "--out_dir=run", "--max_iters=3",
                    "--eval_interval=3", "--eval_iters=2", "--batch_size=8", "--n_embd=32", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    r = run_script("lab/exit_eval.py", "--out_dir=run", "--loops=1,3", "--exit_thresholds=0,1e30,1e-2", "--cached_batches=1",
-                   "--png=exit.png", cwd=tmp_path)
+    r = run_script("lab/exit_eval.py", "--out_dir=run", "--loops=1,3", "--exit_thresholds=0,1e30,1e-2",
+                   "--cached_batches=1", "--png=exit.png", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     parallel, cached = rows(r.stdout)
     assert parallel["exit at KL 0 (<= 3)"] == parallel["3 loops"]
@@ -56,7 +55,28 @@ def test_bad_settings_are_one_line_errors(tmp_path):
     for setting in ("--exit_thresholds=-1", "--max_loops=-2", "--loops=0,2"):
         r = run_script("lab/exit_eval.py", "--out_dir=run", setting, cwd=tmp_path)
         assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, (setting, r.stderr)
-        assert r.stderr.startswith("error: need loops >= 1, exit_thresholds >= 0 (0 = off), max_loops >= 0")
+        assert r.stderr.startswith("error: need loops from 1 to 1024 (model.MAX_LOOPS), exit_thresholds >= 0 "
+                                   "(0 = off), max_loops from 0 (the largest of loops) to 1024 and cached_batches "
+                                   ">= 0, got ")
     r = run_script("lab/exit_eval.py", "--out_dir=run", "--loops=two", cwd=tmp_path)
     assert r.stderr == ("error: loops must be comma-separated ints and exit_thresholds numbers, got 'two' and "
                         "'1e-3,1e-2,1e-1'\n")
+
+
+def test_loop_counts_past_max_loops_none_and_an_unwritable_figure_are_one_line_errors_before_any_work(tmp_path):
+    """Every setting is checked before the checkpoint is read: the checkpoint here is fine, but its dataset is not
+    in tmp_path, so that an evaluation (or data loading) started before a check would end otherwise."""
+    os.mkdir(tmp_path / "run")
+    shutil.copy(os.path.join(ROOT, "tests", "fixtures", "ckpt_plain_before_lab.pt"), tmp_path / "run" / "ckpt.pt")
+    need = "error: need loops from 1 to 1024 (model.MAX_LOOPS), exit_thresholds >= 0 (0 = off), max_loops from 0"
+    for settings, message in [(("--loops=1,2000",), need), (("--max_loops=2000",), need),
+                              (("--max_loops=None",), "error: "), (("--cached_batches=None",), "error: "),
+                              (("--png=missing/exit.png",), "error: --png=missing/exit.png: cannot write a file "
+                               "there (no writable folder missing); create the folder or name another file"),
+                              (("--png=run",), "error: --png=run: cannot write a file there"),
+                              (("--png=exit.xyz",), "error: --png=exit.xyz: matplotlib does not write .xyz files; "
+                               "name a file ending in one of avif, eps, ")]:
+        r = run_script("lab/exit_eval.py", "--out_dir=run", *settings, cwd=tmp_path)
+        assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, (settings, r.stderr)
+        assert r.stderr.startswith(message), (settings, r.stderr)
+    assert os.listdir(tmp_path) == ["run"]
