@@ -129,7 +129,7 @@ class GPTConfig:
         if self.n_prelude < 0 or self.n_coda < 0:
             raise ValueError(f"n_prelude and n_coda must be >= 0 (0 = none), got n_prelude={self.n_prelude} "
                              f"n_coda={self.n_coda}")
-        if self.n_embd % self.n_head:
+        if self.n_head < 1 or self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.position_encoding == "rope" and self.n_embd // self.n_head % 2:
             raise ValueError(f"rope rotates pairs of channels: the head size n_embd/n_head="
