@@ -1,6 +1,7 @@
 import json
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -223,3 +224,26 @@ def test_compiled_adaptive_exit_runs_every_block_compiled(early):
     assert loops and float(loops.group(1)) > 1.5, lines[-2]  # most tokens ran more than one loop
     m = re.fullmatch(r"block calls: (\d+) compiled, 0 not", lines[-1])
     assert m and int(m.group(1)) > 240, lines[-1]  # more than 120 tokens x 2 blocks x 1 loop
+
+
+@pytest.mark.parametrize("name", ["plain", "huginn"])
+def test_a_checkpoint_written_before_the_lesson_and_the_lab_split_samples_what_it_sampled(name, tmp_path):
+    """tests/fixtures: checkpoints of the model before the split and its greedy samples (past block_size), at the
+    trained loop count and at 4."""
+    reference = torch.load(os.path.join(ROOT, "tests", "fixtures", "outputs_before_lab.pt"))[name]["greedy"]
+    (tmp_path / "run").mkdir()
+    shutil.copy(os.path.join(ROOT, "tests", "fixtures", f"ckpt_{name}_before_lab.pt"), tmp_path / "run" / "ckpt.pt")
+    enc = get_tokenizer("bytes")
+    for loops, tokens in reference.items():
+        prompt, new = enc.decode(tokens[0, :5].tolist()), enc.decode(tokens[0, 5:].tolist())
+        (tmp_path / "prompt.txt").write_text(prompt)
+        assert sample(tmp_path / "run", f"--start=FILE:{tmp_path / 'prompt.txt'}", "--top_k=1", "--num_samples=1",
+                      f"--max_new_tokens={len(tokens[0]) - 5}", f"--n_loop={loops}") == prompt + new + "\n"
+
+
+def test_adaptive_exit_at_most_one_loop_warns_that_it_cannot_exit_earlier(bytes_run):
+    result = run("sample.py", f"--out_dir={bytes_run}", "--device=cpu", "--dtype=float32", "--exit_threshold=0.1",
+                 "--n_loop=1", "--num_samples=1", "--max_new_tokens=2")
+    assert result.returncode == 0
+    assert "warning: adaptive exit at most 1 loop: every token runs that one loop; set --n_loop above 1" in \
+        result.stderr.splitlines()

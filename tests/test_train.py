@@ -844,3 +844,15 @@ def test_relative_pointers_and_a_curriculum_reach_a_task_run_and_bad_ones_are_on
         ("--chain_pointers=near", "unknown chain_pointers 'near': use absolute (cell p) or relative (d cells back)")]:
         r = train(tmp_path, *chains, "--out_dir=bad", override, expect_rc=2)
         assert r.stderr == f"error: {message}\n"
+
+
+def test_one_sequence_a_step_trains_through_its_evaluations_without_the_stream_probes(workdir):
+    """The stream probes fit on half a batch's sequences and score on the other half: with batch_size=1 there is no
+    other half, and the run says so once, evaluates, and records kappa_R without them."""
+    r = train(workdir, "--out_dir=one_sequence", "--batch_size=1", "--max_iters=4")
+    assert "note: batch_size=1 leaves the stream probes (lab.probes) no sequence to score on: none are recorded" in \
+        r.stdout.splitlines()
+    evals = records(workdir / "one_sequence", "eval")
+    assert [e["iter"] for e in evals] == [0, 4] and load(workdir / "one_sequence")["iter_num"] == 4
+    for e in evals:
+        assert len(e["loop"]["kappa"]) == 2 and "token_probe" not in e["loop"] and "position_probe" not in e["loop"]
