@@ -447,7 +447,7 @@ class GPT(nn.Module):
                 streams.append(x.detach())
         grads = torch.autograd.grad(self.loss(self.readout(x, no_cache), targets), sum(visit_params, []))
         n = len(visit_params[0])
-        g = torch.stack([torch.cat([g.flatten() for g in grads[v * n:(v + 1) * n]]) for v in range(L * R)])
+        g = torch.stack([torch.cat([t.flatten() for t in grads[v * n:(v + 1) * n]]) for v in range(L * R)])
         g = g.view(R, L, -1)  # g[r, b]: what visit r gives block b
         squares = g.pow(2).sum(-1)
         return dict(kappa=(g.sum(0).pow(2).sum(-1) / squares.sum(0).clamp_min(1e-30)).tolist(),

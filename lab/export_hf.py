@@ -138,7 +138,7 @@ def write_looped(model, folder, loops, n_vocab, eot_id):
 
 
 def gpt2_state(model, loops, n_vocab):
-    """GPT2LMHeadModel's weights of the model unrolled at `loops` loops: layer i is the i-th visit (model._visits'
+    """GPT2LMHeadModel's weights of the model unrolled at `loops` loops: layer i is the i-th visit (forward's
     order). GPT-2's Conv1D layers hold the transposes of nn.Linear's weights. preln_scaled's epsilon multiplies both
     branch outputs, so it moves into the output projections; a model without biases gets zero ones."""
     t, epsilon = model.transformer, model.epsilon
