@@ -393,14 +393,14 @@ if mode == "depth":
                 best_lr[s, r, p] = (rank, lr)
     best = {key: (lr, done[(*key, lr)]) for key, (_, lr) in best_lr.items()}
     first = next(iter(results.values()))
-    lines = [f"# python -m lab.sweep --mode=depth", "",
+    lines = ["# python -m lab.sweep --mode=depth", "",
              f"Val accuracy by k (the pointers to follow) on the task of {budget} (tasks.py), {n_layer} physical "
              f"blocks looped R times; `untied` is the control with {n_layer}R blocks run once (Pre-LN). Seeds "
              f"{','.join(map(str, seed_list))}, learning rates {', '.join(f'{lr:g}' for lr in lr_list)}"
              + "".join(f" ({s}: {', '.join(f'{lr:g}' for lr in rates)})" for s, rates in own_rates.items())
-             + f"; mean ± std "
-             f"over seeds. Chance is 1/chain_values; the best shortcut is the best of the guesses that do not follow "
-             f"the chains (tasks.shortcuts), on the same val batches.", "",
+             + "; mean ± std "
+             "over seeds. Chance is 1/chain_values; the best shortcut is the best of the guesses that do not follow "
+             "the chains (lab.tasks.shortcuts), on the same val batches.", "",
              f"Each scheme at its best learning rate: where most seeds *learned* the task (val accuracy at k = 1 at "
              f"least {learned_accuracy:g}), then the highest mean accuracy over k; a rate with a diverged run is not "
              f"eligible:", "",

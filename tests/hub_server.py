@@ -350,3 +350,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
 def git_oid(data):
     """The id git gives a blob: the hub's "oid" of a file."""
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+class CurrentStderr:
+    """sys.stderr as it is at each write (run_script swaps it, and pytest closes each test's own): what a logging
+    handler of the hub's client can write to across tests."""
+
+    def write(self, text):
+        return sys.stderr.write(text)
+
+    def flush(self):
+        sys.stderr.flush()

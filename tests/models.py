@@ -4,7 +4,7 @@ import itertools
 
 import torch
 
-from model import CHOICES, GPTConfig
+from model import CHOICES, GPT, GPTConfig
 
 
 def tiny(**kw):
@@ -36,4 +36,22 @@ def perturbed(model, scale=0.05):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(scale * torch.randn_like(p))
+    return model.eval()
+
+
+def learned_by_heart(ids, block_size):
+    """A looped GPT (1 block x 2 loops, bytes) trained on the token ids (a list) until it predicts each from the ones
+    before it: a model whose right answers a test knows."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=block_size, vocab_size=320, n_layer=1, n_loop=2, n_head=2, n_embd=32))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    ids = torch.tensor(ids)[None]
+    for _ in range(300):
+        _, loss = model(ids[:, :-1], ids[:, 1:])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if loss.item() < 0.01:
+            break
+    assert loss.item() < 0.01, "the fixture model did not learn its sentence"
     return model.eval()

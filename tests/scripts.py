@@ -118,3 +118,27 @@ class Started:
 
     def kill(self):
         self.send_signal(signal.SIGKILL)
+
+
+def block_calls_counted(module, stream, eager_backend=False):
+    """Python source for `python -c`: the module (a script of this repo, as `python -m module` runs it) with a count of
+    the blocks' calls that ran compiled and of those that did not, printed last on stream ("stdout" or "stderr"):
+    is_compiling is True while dynamo traces, and the graph it captures adds 1 to the first tensor at every call (a
+    counter that no guard reads). eager_backend: torch.compile with the eager backend, the same graphs without the
+    compiler's time."""
+    return f"""
+import runpy, sys, torch, model
+compiled, eager = torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)
+forward = model.Block.forward
+def counted(self, *args, **kwargs):
+    (compiled if torch.compiler.is_compiling() else eager).add_(1)
+    return forward(self, *args, **kwargs)
+model.Block.forward = counted
+if {eager_backend!r}:
+    compile = torch.compile
+    torch.compile = lambda *args, **options: compile(*args, **{{**options, "backend": "eager"}})
+try:
+    runpy.run_module({module!r}, run_name="__main__", alter_sys=True)
+finally:
+    print(f"block calls: {{compiled.item()}} compiled, {{eager.item()}} not", file=sys.{stream}, flush=True)
+"""

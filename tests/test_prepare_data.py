@@ -13,7 +13,7 @@ import pytest
 
 import prepare_data
 from dataset import get_tokenizer, load_meta, read_shard
-from hub_server import Hub
+from hub_server import CurrentStderr, Hub
 from prepare_data import prepare
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -232,16 +232,6 @@ def publish(hub, tmp_path, repo_id, files, revision="main"):
         local[name].parent.mkdir(parents=True, exist_ok=True)
         local[name].write_bytes(data)
     return hub.add(repo_id, files, revision), {name: str(path) for name, path in sorted(local.items())}
-
-
-class CurrentStderr:
-    """sys.stderr as it is at each write."""
-
-    def write(self, text):
-        return sys.stderr.write(text)
-
-    def flush(self):
-        sys.stderr.flush()
 
 
 @pytest.fixture

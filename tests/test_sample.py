@@ -9,7 +9,7 @@ import torch
 from model import GPT, GPTConfig
 from dataset import get_tokenizer
 from prepare_data import prepare
-from scripts import run_script
+from scripts import block_calls_counted, run_script
 from agreeing_loops import agree_after
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -186,31 +186,14 @@ def test_bad_exit_and_cache_settings_are_one_line_errors(bytes_run, setting, mes
     assert (result.returncode, result.stdout, result.stderr) == (2, "", f"error: {message}\n")
 
 
-# sample.py with torch.compile's eager backend (the same graphs without the compiler's time), and a count of the
-# blocks' calls that ran compiled and of those that did not: is_compiling is True while dynamo traces, and the graph
-# it captures adds 1 to the first tensor at every call (a counter that no guard reads)
-BLOCK_CALLS_COUNTED = """
-import runpy, sys, torch, model
-compiled, eager = torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)
-forward = model.Block.forward
-def counted(self, *args, **kwargs):
-    (compiled if torch.compiler.is_compiling() else eager).add_(1)
-    return forward(self, *args, **kwargs)
-model.Block.forward = counted
-compile = torch.compile
-torch.compile = lambda *args, **options: compile(*args, **{**options, "backend": "eager"})
-try:
-    runpy.run_path("sample.py", run_name="__main__")
-finally:
-    print(f"block calls: {compiled.item()} compiled, {eager.item()} not", file=sys.stderr, flush=True)
-"""
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "ckpt_plain_before_lab.pt")  # 2 blocks x 2 loops, bytes
 # started with the session (conftest.py): compiling takes seconds
 EARLY = {"test_compiled_adaptive_exit_runs_every_block_compiled": lambda folder: [
     ["-c", f"import os, shutil; os.mkdir({str(folder / 'run')!r}); shutil.copy({FIXTURE!r}, "
            f"{str(folder / 'run' / 'ckpt.pt')!r})"],
-    ["-c", BLOCK_CALLS_COUNTED, f"--out_dir={folder / 'run'}", "--device=cpu", "--dtype=float32", "--compile=True",
-     "--n_loop=4", "--exit_threshold=1e-12", "--num_samples=2", "--max_new_tokens=60"]]}
+    ["-c", block_calls_counted("sample", "stderr", eager_backend=True), f"--out_dir={folder / 'run'}", "--device=cpu",
+     "--dtype=float32", "--compile=True", "--n_loop=4", "--exit_threshold=1e-12", "--num_samples=2",
+     "--max_new_tokens=60"]]}
 
 
 def test_compiled_adaptive_exit_runs_every_block_compiled(early):

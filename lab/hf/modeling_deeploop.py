@@ -12,7 +12,6 @@ cache is rebuilt from the last block_size tokens, as the project's own generate 
 padding may only follow a row's tokens (right padding), never precede them.
 """
 
-import torch
 from torch.nn import functional as F
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast

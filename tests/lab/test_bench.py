@@ -6,7 +6,7 @@ import torch
 import torch._dynamo
 
 from model import GPT
-from scripts import run_script
+from scripts import block_calls_counted, run_script
 
 NUM = r"([0-9.]+)"
 TINY = ["--n_layer=1", "--n_loop=3", "--n_head=2", "--n_embd=32", "--block_size=32", "--vocab_size=128",
@@ -62,28 +62,13 @@ def test_bench_prints_throughput_mfu_and_generation_speed_for_both_depths():
     assert float(m.group(1)) == pytest.approx(found[0][1][0] / found[1][1][0], rel=0.01)  # the ratio of the lines
 
 
-# bench.py with a count of the blocks' calls that ran compiled and of those that did not: is_compiling is True while
-# dynamo traces, and the graph it captures adds 1 to the first tensor at every call (a counter that no guard reads)
-BLOCK_CALLS_COUNTED = """
-import runpy, torch, model
-compiled, eager = torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)
-forward = model.Block.forward
-def counted(self, *args, **kwargs):
-    (compiled if torch.compiler.is_compiling() else eager).add_(1)
-    return forward(self, *args, **kwargs)
-model.Block.forward = counted
-try:
-    runpy.run_module(RUN, run_name="__main__", alter_sys=True)
-finally:
-    print(f"block calls: {compiled.item()} compiled, {eager.item()} not", flush=True)
-"""
 # started with the session (conftest.py): compiling takes 5-20 s
 EARLY = {"test_compiled_depths_with_generation_stay_within_the_recompile_limit": lambda folder: [[
     "-m", "lab.bench", *TINY, "--compare_depths=True", "--compile=True", "--compile_backend=eager", "--dtype=float32"]],
     "test_compare_dtypes_prints_three_rows_and_their_ratios": lambda folder: [[
     "-m", "lab.bench", *TINY, "--compare_dtypes=True", "--compile_backend=eager", "--warmup_steps=0"]],
     "test_compiled_compare_caches_runs_every_block_compiled_within_the_recompile_limit": lambda folder: [[
-    "-c", BLOCK_CALLS_COUNTED.replace("RUN", repr("lab.bench")), *TINY, "--compare_caches=True", "--compile=True",
+    "-c", block_calls_counted("lab.bench", "stdout"), *TINY, "--compare_caches=True", "--compile=True",
     "--compile_backend=eager", "--dtype=float32", "--gen_tokens=40"]]}
 
 

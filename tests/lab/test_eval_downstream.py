@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 import lab.eval_downstream as ed
 from model import GPT, GPTConfig
+from models import learned_by_heart
 from dataset import get_tokenizer
 
 from scripts import ROOT
@@ -55,19 +56,8 @@ def random_gpt(block_size=16):
 def trained(tmp_path_factory):
     """A looped GPT (1 block x 2 loops, bytes, block_size 64) trained until it has SENTENCE by heart, saved as a
     checkpoint -> (out_dir, model)."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=64, vocab_size=320, n_layer=1, n_loop=2, n_head=2, n_embd=32))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    ids = torch.tensor(tokens(SENTENCE))[None]
-    for _ in range(300):
-        _, loss = model(ids[:, :-1], ids[:, 1:])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if loss.item() < 0.01:
-            break
-    assert loss.item() < 0.01, "the fixture model did not learn its sentence"
-    return save_checkpoint(model.eval(), tmp_path_factory.mktemp("trained")), model
+    model = learned_by_heart(tokens(SENTENCE), block_size=64)
+    return save_checkpoint(model, tmp_path_factory.mktemp("trained")), model
 
 
 def by_hand(model, ids, n, n_loop=None):

@@ -7,7 +7,6 @@ import importlib
 import json
 import os
 import socket
-import sys
 from dataclasses import asdict
 
 import pytest
@@ -16,8 +15,9 @@ from torch.nn import functional as F
 
 import lab.export_hf as export_hf
 from dataset import get_tokenizer
-from hub_server import Hub
+from hub_server import CurrentStderr, Hub
 from model import GPT, GPTConfig, RESIDUALS
+from models import learned_by_heart
 from scripts import ROOT, run_script
 
 SENTENCE = "a quick brown fox jumps over lazy dogs."  # what the trained fixture model knows by heart
@@ -50,19 +50,8 @@ def random_gpt(seed=0, **settings):
 def trained(tmp_path_factory):
     """A looped GPT (1 block x 2 loops, bytes, block_size 48) that has SENTENCE by heart, as a checkpoint with a
     metrics.jsonl -> (out_dir, model)."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=48, vocab_size=320, n_layer=1, n_loop=2, n_head=2, n_embd=32))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    ids = torch.tensor(BYTES.encode_ordinary(SENTENCE))[None]
-    for _ in range(300):
-        _, loss = model(ids[:, :-1], ids[:, 1:])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if loss.item() < 0.01:
-            break
-    assert loss.item() < 0.01, "the fixture model did not learn its sentence"
-    out_dir = save_checkpoint(model.eval(), tmp_path_factory.mktemp("trained"), val_losses=[(0, 5.7), (300, 1.2345)])
+    model = learned_by_heart(BYTES.encode_ordinary(SENTENCE), block_size=48)
+    out_dir = save_checkpoint(model, tmp_path_factory.mktemp("trained"), val_losses=[(0, 5.7), (300, 1.2345)])
     return out_dir, model
 
 
@@ -376,16 +365,6 @@ def test_harness_hf_backend_scores_the_export_as_eval_downstream_scores_the_chec
 
 # ---------------------------------------------------------------------------------------------------------------
 # the hub: huggingface_hub itself, unpatched, uploading to a local server of the hub's API (tests/hub_server.py)
-
-class CurrentStderr:
-    """sys.stderr as it is at each write (run_script swaps it)."""
-
-    def write(self, text):
-        return sys.stderr.write(text)
-
-    def flush(self):
-        sys.stderr.flush()
-
 
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
