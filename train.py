@@ -225,8 +225,7 @@ if compile:
     raw_model.compile_blocks()  # in place, every block and the loss: one graph serves every loop count
 # training runs model, evaluation raw_model (no DDP collectives). DDP must know when a step may leave parameters
 # without a gradient: the earlier loops' under backprop_loops, LoopInput's at a step of one loop (it feeds loops 2 on)
-fewest_loops = {"fixed": n_loop, "uniform": loop_min}.get(loop_sampling, 1)  # lognormal_poisson draws 1 + Poisson
-unused = backprop_loops > 0 or loop_input != "none" and fewest_loops == 1
+unused = backprop_loops > 0 or loop_input != "none" and train_loops.bounds(n_loop)[0] == 1
 trained = TruncatedBackprop(raw_model, backprop_loops) if backprop_loops else raw_model  # lab.loops: Huginn's
 model = DDP(trained, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None,
             find_unused_parameters=unused) if ddp else trained
@@ -336,7 +335,7 @@ def start_logs():
     if loop_sampling != "fixed" or backprop_loops:
         print(f"training loop counts: {loop_sampling}, mean {train_loops.mean or n_loop:g}"
               f"{f', backprop through the last {backprop_loops}' if backprop_loops else ''}; evaluation at {n_loop}")
-    if loop_input != "none" and (train_loops.mean or n_loop) == 1:  # useless, not wrong: the run trains without it
+    if loop_input != "none" and train_loops.bounds(n_loop)[1] == 1:  # useless, not wrong: the run trains without it
         print(f"warning: loop_input={loop_input} never trains: every step runs one loop, and the input is fed into "
               f"loops 2 on (model.LoopInput); use --loop_input=none or more loops", file=sys.stderr)
     task_record = {}

@@ -63,6 +63,15 @@ class TrainLoops:
         return {"fixed": None, "uniform": (self.loop_min + self.loop_max) / 2, "lognormal_poisson": self.loop_mean}[
             self.loop_sampling]
 
+    def bounds(self, n_loop):
+        """(fewest, most) loops a step may run, n_loop being the model's (what fixed runs): DDP must know whether a
+        step can leave a loop input unused (one loop), and a loop input that no step can use is worth a warning."""
+        if self.loop_sampling == "uniform":
+            return self.loop_min, self.loop_max
+        if self.loop_sampling == "lognormal_poisson":  # 1 + Poisson, cut at MAX_LOOPS; mean 1 draws only 1
+            return 1, 1 if self.loop_mean == 1 else MAX_LOOPS
+        return n_loop, n_loop
+
     def eval_counts(self, eval_loops, n_loop):
         """The loop counts an evaluation reports val loss at (test-time depth): train.py's eval_loops ("1,2,4"; "": 1
         and 2 * n_loop where the count is sampled, none else), and always n_loop, whose loss is val_loss."""

@@ -228,3 +228,13 @@ def test_truncated_backprop_needs_a_loop_to_track():
     with pytest.raises(ValueError) as error:
         TruncatedBackprop(GPT(tiny()), 0)
     assert str(error.value) == "backprop_loops must be >= 1 for truncated backprop, got 0"
+
+
+@pytest.mark.parametrize("loops, bounds", [(TrainLoops(), (3, 3)), (TrainLoops("uniform", 2, 5), (2, 5)),
+                                           (TrainLoops("lognormal_poisson", loop_mean=4.0), (1, MAX_LOOPS)),
+                                           (TrainLoops("lognormal_poisson", loop_mean=1.0), (1, 1))])
+def test_bounds_are_the_fewest_and_most_loops_a_step_draws(loops, bounds):
+    assert loops.bounds(3) == bounds
+    draws = {loops.draw(1337, step) or 3 for step in range(300)}
+    assert bounds[0] <= min(draws) and max(draws) <= bounds[1]
+    assert min(draws) == bounds[0] and (bounds[1] == MAX_LOOPS or max(draws) == bounds[1])
