@@ -130,8 +130,8 @@ def get_tokenizer(name):
 def prepare_command(data_dir):
     """The command that (re)creates a dataset folder, for error messages."""
     base = os.path.basename(os.path.normpath(data_dir))
-    known = {"builtin": "builtin", "builtin_bytes": "builtin --tokenizer=bytes", "openwebtext": "openwebtext",
-             "fineweb_edu": "fineweb_edu"}
+    known = {"builtin": "builtin", "builtin_bytes": "builtin --tokenizer=bytes", "stdlib": "stdlib",
+             "stdlib_bytes": "stdlib --tokenizer=bytes", "openwebtext": "openwebtext", "fineweb_edu": "fineweb_edu"}
     return f"python prepare_data.py {known.get(base, '<files> --out=' + data_dir)}"
 
 

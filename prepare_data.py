@@ -3,6 +3,7 @@ Turn a text corpus into a dataset folder of flat token shards for train.py (data
 
     python prepare_data.py builtin                       # -> data/builtin        (GPT-2 tokens, offline, ~0.7M tokens)
     python prepare_data.py builtin --tokenizer=bytes     # -> data/builtin_bytes  (UTF-8 bytes, offline)
+    python prepare_data.py stdlib --tokenizer=bytes      # -> data/stdlib_bytes   (~31M bytes of Python, offline)
     python prepare_data.py openwebtext                   # -> data/openwebtext    (~9B tokens, downloads file by file)
     python prepare_data.py fineweb_edu                   # -> data/fineweb_edu    (sample-10BT: ~10B tokens)
     python prepare_data.py fineweb_edu --max_tokens=200000000   # a 200M-token cut: downloads only what it needs
@@ -11,7 +12,11 @@ Turn a text corpus into a dataset folder of flat token shards for train.py (data
 
 Sources. `builtin`: pydoc's help topics (pydoc_data.topics) and the docstrings of the standard library's modules,
 read with `ast` from the source files (nothing is imported, so `antigravity` opens no browser), in sorted order and
-without site-packages: the same documents on every machine with the same Python version. `openwebtext`: the Hugging
+without site-packages: the same documents on every machine with the same Python version. `stdlib`: the source
+of the standard library itself, its tests included (31.5 MB for Python 3.11, 14 times `builtin`), one document per
+.py file, so the split into train and val is by module; the four test files written in other encodings on purpose
+are left out. Its meta.json records the Python version and a SHA-256 of the text, so that runs on machines with
+another stdlib can be told apart (preparing again there stops and names the difference). `openwebtext`: the Hugging
 Face hub's parquet conversion of Skylion007/openwebtext (branch refs/convert/parquet). `fineweb_edu`:
 HuggingFaceFW/fineweb-edu, its sample-10BT subset, or sample-100BT / sample-350BT with --subset. Hub files are read
 one at a time: download, tokenize, delete, so the disk holds one of them beside the shards. Hub access goes through
@@ -54,6 +59,7 @@ BATCH_CHARS = 1 << 22  # text handed to the tokenizer at once: large enough to k
 DEFAULT_VAL_FRACTION = {"openwebtext": 0.0005}  # nanoGPT's; other sources get 0.1 so a small corpus has a real val set
 FINEWEB_EDU_SUBSETS = ("sample-10BT", "sample-100BT", "sample-350BT")
 HUB_SOURCES = ("openwebtext", "fineweb_edu")
+OFFLINE_SOURCES = ("builtin", "stdlib")  # made from the running Python alone: prepared on first use
 HUB_TIMEOUT = 10  # seconds for the first request: without a network it fails fast instead of retrying for ~25 s
 
 
@@ -131,10 +137,10 @@ def file_part(path):
     return path, lambda: READERS[os.path.splitext(path)[1].lower()](path)
 
 
-def stdlib_files():
-    """The standard library's .py files, relative paths sorted; no tests, no installed packages."""
+def stdlib_files(tests=False):
+    """The standard library's .py files, relative paths sorted; no installed packages, and no tests unless asked."""
     root = sysconfig.get_paths()["stdlib"]
-    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "pydoc_data"}
+    skip = {"site-packages", "dist-packages"} | (set() if tests else {"test", "tests", "idle_test", "pydoc_data"})
     rel = (os.path.relpath(p, root) for p in glob.glob(os.path.join(root, "**", "*.py"), recursive=True))
     return root, sorted(r for r in rel if not skip.intersection(r.split(os.sep)))
 
@@ -173,6 +179,29 @@ def builtin_parts():
         root, files = stdlib_files()
         return (module_document(root, rel) for rel in files)
     return [("pydoc_data.topics", topics), ("stdlib docstrings", modules)]
+
+
+def stdlib_source_texts():
+    """The standard library's source files, tests included, as texts in path order; the files that are not UTF-8
+    (tests of other source encodings) are left out, as the tokenizers take text."""
+    root, files = stdlib_files(tests=True)
+    for rel in files:
+        with open(os.path.join(root, rel), "rb") as f:
+            data = f.read()
+        try:
+            yield data.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+
+
+def stdlib_parts():
+    """(parts, what identifies the text): one part of every source file, and the Python version with a SHA-256 over
+    the texts, which go into the dataset's settings so that another stdlib never mixes with this one."""
+    digest = hashlib.sha256()
+    for text in stdlib_source_texts():
+        digest.update(text.encode("utf-8") + b"\0")
+    info = dict(python=sys.version.split()[0], text_sha256=digest.hexdigest())
+    return [("stdlib sources", stdlib_source_texts)], info
 
 
 def one_line(error):
@@ -388,7 +417,7 @@ def prepare(source="builtin", tokenizer="gpt2", out_dir=None, name=None, subset=
     into out_dir (default data/<name>) and return out_dir. Does nothing when the folder already holds this dataset,
     resumes an interrupted run with the same arguments, and stops with a one-line error (exit code 2) on bad input."""
     sources = [source] if isinstance(source, str) else list(source)
-    kind = sources[0] if len(sources) == 1 and sources[0] in ("builtin", *HUB_SOURCES) else "files"
+    kind = sources[0] if len(sources) == 1 and sources[0] in (*OFFLINE_SOURCES, *HUB_SOURCES) else "files"
     if kind == "fineweb_edu":
         subset = subset or FINEWEB_EDU_SUBSETS[0]
         if subset not in FINEWEB_EDU_SUBSETS:
@@ -410,6 +439,9 @@ def prepare(source="builtin", tokenizer="gpt2", out_dir=None, name=None, subset=
         default = kind if kind != "files" else os.path.splitext(os.path.basename(files[0]))[0]
         out_dir = os.path.join("data", name or default + ("_bytes" if tokenizer == "bytes" else ""))
     settings = make_settings(kind, files, subset, enc, val_fraction, seed, shard_size, max_documents, max_tokens)
+    if kind == "stdlib":
+        stdlib, info = stdlib_parts()
+        settings.update(info)
     log = (lambda *a: None) if quiet else print
     meta_path, progress_path = os.path.join(out_dir, "meta.json"), os.path.join(out_dir, "progress.json")
     if os.path.exists(meta_path):
@@ -441,6 +473,8 @@ def prepare(source="builtin", tokenizer="gpt2", out_dir=None, name=None, subset=
         state = None
     if kind == "builtin":
         parts = builtin_parts()
+    elif kind == "stdlib":
+        parts = stdlib
     elif kind in HUB_SOURCES:
         parts = hub_parts(*hub_location(kind, subset))  # the network only now that the folder says there is work to do
     else:
@@ -463,12 +497,13 @@ def prepare(source="builtin", tokenizer="gpt2", out_dir=None, name=None, subset=
 
 
 def prepare_builtin_if_missing(dataset):
-    """train.py and sweep.py call this: data/builtin and data/builtin_bytes are small and offline, so they are made
-    on first use; any other missing dataset is left to its command (load_meta names it)."""
+    """train.py and sweep.py call this: the offline corpora (builtin, stdlib, each also as _bytes) are made from the
+    running Python on first use; any other missing dataset is left to its command (load_meta names it)."""
     data_dir = os.path.join("data", dataset)
-    if dataset in ("builtin", "builtin_bytes") and not os.path.isfile(os.path.join(data_dir, "meta.json")):
+    source = dataset.removesuffix("_bytes")
+    if source in OFFLINE_SOURCES and not os.path.isfile(os.path.join(data_dir, "meta.json")):
         print(f"preparing {data_dir} (offline, takes seconds)")
-        prepare("builtin", tokenizer="bytes" if dataset == "builtin_bytes" else "gpt2", out_dir=data_dir)
+        prepare(source, tokenizer="bytes" if dataset.endswith("_bytes") else "gpt2", out_dir=data_dir)
     return data_dir
 
 
@@ -505,7 +540,7 @@ def bench(tokenizer="gpt2", num_threads=None, repeats=5):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Tokenize a corpus into data/<name> for train.py (see the docstring).")
-    p.add_argument("source", nargs="+", help="builtin | openwebtext | fineweb_edu | .txt/.jsonl/.parquet files, globs")
+    p.add_argument("source", nargs="+", help="builtin | stdlib | openwebtext | fineweb_edu | .txt/.jsonl/.parquet files, globs")
     p.add_argument("--tokenizer", default="gpt2", choices=["gpt2", "bytes"])
     where = p.add_mutually_exclusive_group()
     where.add_argument("--name", help="output folder data/<name> (default: the source, or the first file's stem; "

@@ -47,7 +47,7 @@ wandb_log = False        # also log to Weights & Biases (needs `pip install wand
 wandb_project = "deeploop"
 wandb_run_name = "run"
 # data
-dataset = "openwebtext"  # folder data/<dataset> from prepare_data.py (builtin and builtin_bytes prepare themselves),
+dataset = "openwebtext"  # folder data/<dataset> from prepare_data.py (builtin, stdlib, *_bytes prepare themselves),
 #                          or a task of lab/tasks.py made on the fly: chains (pointer chains, block_size cells a sequence)
 chain_values = 8         # chains: the values a chain can start with (chance is 1 / chain_values)
 chain_hops = 6           # chains: pointers in the longest chain; accuracy is reported for k = 1 .. chain_hops

@@ -8,6 +8,16 @@ is measured here is exactly what train.py does. Three modes share the runs, the 
     python -m lab.sweep --mode=transfer   # does each scheme's best learning rate stay put as R grows? R = 1, 2, 4, 8
     python -m lab.sweep --mode=loops --schemes=preln,deeploop,deepnorm,postln --seeds=0   # any grid, by override
     python -m lab.sweep --mode=depth      # where depth is the bottleneck: accuracy by k on pointer chains (tasks.py)
+    python -m lab.sweep --mode=budget     # the gap to Pre-LN at R = 1 and the gain from R = 1 to 3 as training grows
+
+The budget mode trains on data/stdlib_bytes (31M bytes of the standard library's source, 14 times builtin_bytes,
+so its longest budget of 43,000 steps of 8 x 64 bytes, ten passes of builtin_bytes, still sees no byte twice). It
+runs in stages, all from that one command: every scheme at every rate and seed at the first budget; then each scheme
+at its best rate there at each longer budget (every scheme and seed up to full_grid_until steps, long_schemes with
+long_seeds beyond); then the longer budgets' rates checked against the grid's neighbour on each side (one seed). The
+longest runs go first. `--report_only=True` writes the tables and the plot of the runs finished so far, so a study
+that a session cannot finish is read as far as it got and resumed with the same command; lab/sweep_budget.py holds
+its tables and plot.
 
 The depth mode is apart from the other three: its runs train config/depth_cpu.py on a smaller budget (BUDGETS;
 the settings of the model and the budget given to sweep.py, in a config file or on the command line, override
@@ -55,7 +65,7 @@ from prepare_data import prepare_builtin_if_missing
 # -----------------------------------------------------------------------------------------------------------------
 mode = "exponent"         # exponent | lr | loops | transfer | depth
 out_dir = ""              # default: out-sweep-<mode>
-dataset = "builtin_bytes"
+dataset = ""              # default: builtin_bytes; stdlib_bytes for --mode=budget
 # the grid; "" takes the mode's default from MODES
 schemes = ""
 loops = ""                # n_loop values; the physical depth n_layer stays fixed
@@ -63,6 +73,12 @@ exponents = ""            # residual_exponent values (0 = the scheme's own p)
 learning_rates = ""
 scheme_rates = ""         # depth mode: some schemes' own rates instead, like "postln:3e-4,1e-3;deeploop:1e-3,3e-3"
 seeds = ""
+budgets = ""              # budget mode: max_iters of each budget, shortest first; the rate grid runs at the first
+full_grid_until = 4300    # budget mode: budgets up to this many steps (one pass over builtin_bytes at 8 x 64) run every
+#                           scheme and seed; the longer ones run long_schemes with long_seeds
+long_schemes = ""
+long_seeds = ""
+report_only = False       # budget mode: tables and plot of the runs finished so far, training nothing
 workers = 2               # runs at the same time, one CPU thread each (2 single-threaded runs beat 1 two-threaded)
 escape_margin = 0.1       # nats below the unigram floor that count as having escaped it
 learned_accuracy = 0.9    # depth mode: a run has learned the task when its val accuracy at k = 1 is at least this
@@ -95,6 +111,10 @@ MODES = {
                                learning_rates="1e-3,2e-3,4e-3,8e-3,1.6e-2,3.2e-2", seeds="0,1,2"),
     "depth": dict(schemes="preln,deeploop,deepnorm,untied", loops="1,2,4,8", exponents="0",
                   learning_rates="1e-3,3e-3", seeds="0,1,2"),
+    # 400 steps (the other modes' budget) to ten passes over builtin_bytes, in steps of about sqrt(10)
+    "budget": dict(schemes="preln,postln,deepnorm,deeploop,preln+paper,deeploop+paper", loops="1,3", exponents="0",
+                   learning_rates="3e-4,1e-3,3e-3", seeds="0,1,2", budgets="400,1350,4300,13500,43000",
+                   long_schemes="preln,deeploop", long_seeds="0,1"),
 }
 DEPTH_CONFIG = "config/depth_cpu.py"  # what every run on the depth task (--dataset=chains) trains, before the grid
 # Budgets of their own, where a mode's grid would not fit its time on 2 cores with the settings above (the depth task:
@@ -103,6 +123,7 @@ BUDGETS = {
     "transfer": dict(batch_size=4, max_iters=300),  # 288 runs, 84.5 min of run time: 42 min (400 x 8: ~80)
     "depth": dict(batch_size=32, max_iters=500, warmup_iters=100),  # 90 runs in 27 min (at 600 steps: 32)
     "transfer on chains": dict(batch_size=32, max_iters=200, warmup_iters=50),  # 288 runs in 30.6 min
+    "budget": dict(eval_iters=50),  # 25,600 val bytes: the gaps it compares are a few hundredths of a nat
 }
 # Model variants a scheme can run in, as `--schemes=deeploop+concat`, and together, as `deeploop+add+curriculum`: the
 # designs of the recurrent-depth models (model.LoopInput; Huginn's prelude / core / coda), the DeepLoop paper's
@@ -124,9 +145,13 @@ MODEL_AND_BUDGET = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "
 # Appendix C of the paper: runs out of 5 (GPT-2 small, R = 3, ~2,700 steps) that escaped the unigram floor
 PAPER_ESCAPED = {0.30: 0, 0.35: 1, 0.40: 2, 0.45: 2, 0.50: 3, 0.55: 5, 0.60: 5}
 
-if mode not in ("exponent", "lr", "loops", "transfer", "depth"):
-    die(f"unknown mode {mode!r}; use --mode=exponent, --mode=lr, --mode=loops, --mode=transfer or "
-        f"--mode=depth")
+if mode not in MODES:
+    die(f"unknown mode {mode!r}; use --mode=exponent, --mode=lr, --mode=loops, --mode=transfer, --mode=depth or "
+        f"--mode=budget")
+if report_only and mode != "budget":
+    die(f"report_only applies to --mode=budget, whose study a session may not finish; --mode={mode} tables its "
+        f"runs when they are done")
+dataset = dataset or ("stdlib_bytes" if mode == "budget" else "builtin_bytes")
 on_chains = mode == "depth" or dataset == "chains"  # the depth task (tasks.py): accuracy by k, not loss
 if on_chains and mode not in ("depth", "transfer"):
     die(f"--dataset=chains (the depth task) applies to --mode=depth and --mode=transfer, not --mode={mode}; "
@@ -145,7 +170,7 @@ def number_list(name, kind):
     try:
         return [kind(v) for v in text.split(",")]
     except ValueError:
-        die(f"{name} must be comma-separated {kind.__name__}s like {MODES['loops'][name]}, got {text!r}")
+        die(f"{name} must be comma-separated {kind.__name__}s like {MODES[grid_name][name]}, got {text!r}")
 
 
 def split_scheme(scheme):
@@ -214,9 +239,15 @@ def escaped(run):
     return score(run) > shortcut[hardest] if on_chains else score(run) < floor - escape_margin
 
 
-def train(scheme, n_loop, exponent, lr, seed):
-    """One train.py run -> its result dict (also saved as result.json in the run's folder)."""
-    name = f"{scheme}_R{n_loop}_p{exponent:g}_lr{lr:g}_seed{seed}"
+def run_name(scheme, n_loop, exponent, lr, seed, steps=None):
+    return f"{scheme}_R{n_loop}_p{exponent:g}_lr{lr:g}_seed{seed}" + (f"_it{steps}" if steps else "")
+
+
+def train(scheme, n_loop, exponent, lr, seed, steps=None):
+    """One train.py run (of steps steps, default max_iters) -> its result dict (also saved as result.json in the
+    run's folder)."""
+    name = run_name(scheme, n_loop, exponent, lr, seed, steps)
+    steps = steps or max_iters
     run_dir = os.path.join(out_dir, "runs", name)
     residual = split_scheme(scheme)[0]
     result_path = os.path.join(run_dir, "result.json")
@@ -236,9 +267,10 @@ def train(scheme, n_loop, exponent, lr, seed):
         args = dict(out_dir=run_dir, dataset=dataset, residual=residual, residual_exponent=exponent, n_layer=n_layer,
                     n_loop=n_loop, n_head=n_head, n_embd=n_embd, block_size=block_size, batch_size=batch_size,
                     gradient_accumulation_steps=1, dropout=0.0, learning_rate=lr, min_lr=lr / 10,
-                    warmup_iters=warmup_iters, max_iters=max_iters, lr_decay_iters=max_iters,
-                    eval_interval=max_iters, eval_iters=eval_iters, log_interval=max(1, max_iters // 25), seed=seed,
-                    device="cpu", dtype=run_dtype, compile=False)
+                    warmup_iters=warmup_iters, max_iters=steps, lr_decay_iters=steps,
+                    eval_interval=steps if steps < 10_000 else steps // 10,  # a long run's val curve too
+                    eval_iters=eval_iters, log_interval=max(1, steps // 25), seed=seed, device="cpu", dtype=run_dtype,
+                    compile=False)
         args.update(variant_settings(scheme))  # a variant may set what every run sets (warmup_iters)
         cmd = [sys.executable, "train.py"] + [f"--{k}={v}" for k, v in args.items()]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -252,7 +284,8 @@ def train(scheme, n_loop, exponent, lr, seed):
     final = evals[-1] if proc.returncode == 0 else None  # a diverged run (non-finite loss) has no final eval
     kappa = final["loop"]["kappa"] if final else None
     result = dict(name=name, scheme=scheme, n_loop=n_loop, exponent=exponent, lr=lr, seed=seed, dtype=run_dtype,
-                  seconds=time.time() - t0, val_loss=final["val_loss"] if final else None,
+                  steps=steps, seconds=time.time() - t0, val_loss=final["val_loss"] if final else None,
+                  val_curve=[(r["iter"], r["val_loss"]) for r in evals],
                   kappa=sum(kappa) / len(kappa) if kappa else None,  # mean over the physical blocks
                   curve=[(r["iter"], r["loss"]) for r in records if r["type"] == "train"])
     if on_chains:
@@ -347,6 +380,66 @@ if not on_chains:
           f"its final val loss is below {floor - escape_margin:.4f}")
 run_dtype, dtype_reason = sweep_dtype()
 print(f"dtype {run_dtype} for every run: {dtype_reason}")
+if mode == "budget":
+    from lab.sweep_budget import neighbours, report
+
+    budget_list = number_list("budgets", int)
+    long_list, long_seed_list = str(long_schemes or MODES[grid_name]["long_schemes"]).split(","), number_list(
+        "long_seeds", int)
+    if budget_list != sorted(set(budget_list)) or budget_list[0] < 1:
+        die(f"budgets must be distinct positive step counts, shortest first, like {MODES[grid_name]['budgets']}; "
+            f"got {budgets}")
+    if not set(long_list) <= set(scheme_list):
+        die(f"long_schemes must be among --schemes={','.join(scheme_list)}; got {','.join(long_list)}")
+    if "preln" not in scheme_list:
+        die("the budget mode measures every scheme against preln: keep preln in --schemes")
+
+    def run_all(jobs):
+        """{job: result} of (scheme, R, p, lr, seed, steps) jobs in order; with report_only, of those finished."""
+        if report_only:
+            paths = {job: os.path.join(out_dir, "runs", run_name(*job), "result.json") for job in jobs}
+            return {job: json.load(open(path)) for job, path in paths.items() if os.path.isfile(path)}
+        with ThreadPoolExecutor(workers) as pool:
+            return dict(zip(jobs, pool.map(lambda job: train(*job), jobs)))
+
+    def cost(job):
+        return job[5] * job[1]  # steps x loops
+
+    grid_jobs = [(s, r, 0.0, lr, seed, budget_list[0]) for s in scheme_list for r in loop_list for lr in lr_list
+                 for seed in seed_list]
+    print(f"budget study, stage 1: {len(grid_jobs)} runs of {budget_list[0]} steps (every rate), {workers} at a "
+          f"time, into {out_dir}/runs", flush=True)
+    results = run_all(sorted(grid_jobs, key=cost, reverse=True))
+    best = {}  # (scheme, R) -> the rate with the lowest mean val loss at the first budget; none with a diverged run
+    for s in scheme_list:
+        for r in loop_list:
+            means = {}
+            for lr in lr_list:
+                runs = [results.get((s, r, 0.0, lr, seed, budget_list[0])) for seed in seed_list]
+                if all(run and run["val_loss"] is not None for run in runs):
+                    means[lr] = sum(run["val_loss"] for run in runs) / len(runs)
+            if means:
+                best[s, r] = min(means, key=means.get)
+    main_jobs, check_jobs = [], []
+    for steps in budget_list[1:]:
+        wide = steps <= full_grid_until
+        for (s, r), lr in best.items():
+            if wide or s in long_list:
+                main_jobs += [(s, r, 0.0, lr, seed, steps) for seed in (seed_list if wide else long_seed_list)]
+            if not wide and s in long_list:
+                check_jobs += [(s, r, 0.0, rate, long_seed_list[0], steps) for rate in neighbours(lr, lr_list)]
+    jobs = sorted(main_jobs, key=cost, reverse=True) + sorted(check_jobs, key=cost)
+    print(f"budget study, stage 2: {len(main_jobs)} runs at each scheme's best rate, longest first, then "
+          f"{len(check_jobs)} runs at the neighbouring rates", flush=True)
+    results.update(run_all(jobs))
+    report(results, best, dict(out_dir=out_dir, schemes=scheme_list, loops=loop_list, rates=lr_list,
+                               seeds=seed_list, budgets=budget_list, long_schemes=long_list, long_seeds=long_seed_list,
+                               full_grid_until=full_grid_until, floor=floor, unit=unit, dataset=dataset,
+                               meta=meta, tokens_per_step=batch_size * block_size, n_layer=n_layer, n_embd=n_embd,
+                               warmup_iters=warmup_iters, dtype=run_dtype, workers=workers,
+                               wall_minutes=(time.time() - t_start) / 60, report_only=report_only,
+                               command=" ".join(["python -m lab.sweep"] + sys.argv[1:])))
+    sys.exit(0)
 jobs = sorted(grid, key=lambda job: -job[1])  # the deepest runs first: the last minutes are not one run on one core
 if on_chains:
     budget = f"{DEPTH_CONFIG} with " + ", ".join(f"{k}={v}" for k, v in mode_budget.items())

@@ -1,0 +1,255 @@
+"""
+The tables and the plot of `python -m lab.sweep --mode=budget`: how the gap between each scheme and Pre-LN at one
+loop, and each scheme's gain from R = 1 to R = 3, change as the training budget grows.
+
+Runs of the same seed see the same batches and are evaluated on the same val windows, so every difference here is
+taken seed by seed (paired) and then averaged over the seeds that both sides have. A scheme on the paper's block
+(`+paper`: RMSNorm, RoPE, normalized branch input) is compared with Pre-LN on the same block where the study has it.
+
+The trend of a gap is a straight line in log10(tokens) fitted to its means over the budgets: its slope is the change
+per tenfold more training and its root the budget where the line would reach zero. A line through four or five CPU
+budgets says nothing certain about a budget thousands of times larger; the table gives the root only to show how
+far the paper's budget lies from where the trend points.
+"""
+
+import math
+import os
+
+import numpy as np
+
+PAPER_TOKENS = 100_000 * 480 * 1024  # the paper's 100K steps of 480 sequences of 1024 tokens: 49B
+
+
+def neighbours(lr, rates):
+    """The grid's rates on each side of lr; past the grid's edge, one more step of its spacing."""
+    rates = sorted(rates)
+    i = rates.index(lr)
+    step = rates[1] / rates[0] if len(rates) > 1 else 3.0
+    below = rates[i - 1] if i > 0 else lr / step
+    above = rates[i + 1] if i + 1 < len(rates) else lr * step
+    return [float(f"{below:.3g}"), float(f"{above:.3g}")]
+
+
+def mean_std(values):
+    if not values:
+        return None
+    m = sum(values) / len(values)
+    return m, (float(np.std(values, ddof=1)) if len(values) > 1 else 0.0), len(values)
+
+
+def fmt(stat, digits=3):
+    return "—" if stat is None else f"{stat[0]:+.{digits}f} ± {stat[1]:.{digits}f} ({stat[2]})"
+
+
+def fmt_loss(stat, digits=4):
+    return "—" if stat is None else f"{stat[0]:.{digits}f} ± {stat[1]:.{digits}f} ({stat[2]})"
+
+
+def fit_line(xs, ys):
+    """(slope, intercept) of the least-squares line through the points, None for fewer than two."""
+    if len(xs) < 2:
+        return None
+    slope, intercept = np.polyfit(xs, ys, 1)
+    return float(slope), float(intercept)
+
+
+def report(results, best, cfg):
+    """Write cfg['out_dir']/results.md and budget.png from {(scheme, R, p, lr, seed, steps): result} and the best rate
+    of each (scheme, R) at the first budget; print the tables."""
+    budgets, loops, seeds = cfg["budgets"], cfg["loops"], cfg["seeds"]
+    tokens = {steps: steps * cfg["tokens_per_step"] for steps in budgets}
+
+    def losses(s, r, steps, lr=None):
+        """{seed: final val loss} of (s, r) at its best rate (or lr) and budget; diverged runs left out"""
+        lr = best.get((s, r)) if lr is None else lr
+        out = {}
+        for seed in seeds:
+            run = results.get((s, r, 0.0, lr, seed, steps))
+            if run and run["val_loss"] is not None:
+                out[seed] = run["val_loss"]
+        return out
+
+    def paired(a, b):
+        """mean ± std over the seeds both have of a - b"""
+        return mean_std([a[seed] - b[seed] for seed in sorted(set(a) & set(b))])
+
+    def baseline(s):
+        block = s.partition("+")[2]
+        return "preln+" + block if block and "preln+" + block in cfg["schemes"] else "preln"
+
+    pairs = [(s, r) for s in cfg["schemes"] for r in loops if (s, r) in best]
+    meta = cfg["meta"]
+    lines = ["# python -m lab.sweep --mode=budget", "",
+             f"Final val loss in nats per {cfg['unit']} on data/{cfg['dataset']} ({meta['tokens']['train']:,} training "
+             f"and {meta['tokens']['val']:,} val {cfg['unit']}s, Python {meta.get('python', '?')}, text SHA-256 "
+             f"{meta.get('text_sha256', '?')[:16]}...), {cfg['n_layer']} physical blocks of width {cfg['n_embd']}, "
+             f"{cfg['tokens_per_step']} tokens a step, warmup {cfg['warmup_iters']} steps, cosine to lr/10 at the "
+             f"budget's end, {cfg['dtype']}. Budgets in steps: {', '.join(f'{b:,}' for b in budgets)} "
+             f"({', '.join(f'{tokens[b] / 1e6:.2f}M' for b in budgets)} tokens); no run repeats a byte "
+             f"(the longest reads {tokens[budgets[-1]] / meta['tokens']['train']:.0%} of the training split). "
+             f"Every scheme and seed ({','.join(map(str, seeds))}) up to {cfg['full_grid_until']:,} steps; beyond, "
+             f"{', '.join(cfg['long_schemes'])} with seeds {','.join(map(str, cfg['long_seeds']))}. Cells: mean ± std "
+             f"(seeds). Unigram floor {cfg['floor']:.4f}.", ""]
+    if cfg["report_only"]:
+        lines += [f"Report of the runs finished so far ({len(results)}); cells without runs are —.", ""]
+
+    # the rate grid at the first budget
+    first = budgets[0]
+    lines += [f"Each scheme's rate, chosen on the grid at {first} steps (mean final val loss over seeds; **best**):",
+              "", "| scheme | R | " + " | ".join(f"lr {lr:g}" for lr in cfg["rates"]) + " |",
+              "|---|---|" + "---|" * len(cfg["rates"])]
+    for s in cfg["schemes"]:
+        for r in loops:
+            cells = []
+            for lr in cfg["rates"]:
+                runs = [results.get((s, r, 0.0, lr, seed, first)) for seed in seeds]
+                done = [run["val_loss"] for run in runs if run and run["val_loss"] is not None]
+                diverged = sum(1 for run in runs if run and run["val_loss"] is None)
+                text = "—" if not done else f"{sum(done) / len(done):.4f}"
+                text = f"**{text}**" if best.get((s, r)) == lr else text
+                cells.append(text + (f" ({diverged} diverged)" if diverged else ""))
+            lines.append(f"| {s} | {r} | " + " | ".join(cells) + " |")
+
+    # val loss by budget
+    lines += ["", "Final val loss at each scheme's rate, by budget:", "",
+              "| scheme | R | lr | " + " | ".join(f"{b:,} steps" for b in budgets) + " |",
+              "|---|---|---|" + "---|" * len(budgets)]
+    for s, r in pairs:
+        cells = [fmt_loss(mean_std(list(losses(s, r, b).values()))) for b in budgets]
+        lines.append(f"| {s} | {r} | {best[s, r]:g} | " + " | ".join(cells) + " |")
+
+    # the gap to Pre-LN at R = 1 (and at R = 3), with its trend
+    gaps, gains = {}, {}
+    for s, r in pairs:
+        if s != baseline(s) and (baseline(s), r) in best:
+            gaps[s, r] = {b: paired(losses(s, r, b), losses(baseline(s), r, b)) for b in budgets}
+    for s in cfg["schemes"]:
+        if (s, 1) in best and (s, 3) in best:
+            gains[s] = {b: paired(losses(s, 1, b), losses(s, 3, b)) for b in budgets}
+
+    def trend(series):
+        points = [(math.log10(tokens[b]), stat[0]) for b, stat in series.items() if stat]
+        line = fit_line(*zip(*points)) if len(points) > 1 else None
+        if line is None:
+            return "—", "—", None
+        slope, intercept = line
+        root = 10 ** (-intercept / slope) if slope and (-intercept / slope) < 15 else None
+        last = points[-1][1]
+        if last < 0:
+            where = "below zero already"
+        elif slope < 0:  # shrinking toward zero
+            where = f"{root:.2g} tokens" if root else "beyond 1e15 tokens"
+        else:
+            where = "never: it grows"
+        return f"{slope:+.3f}", where, line
+
+    lines += ["", "The gap to Pre-LN (the scheme's loss minus Pre-LN's on the same block and R, seed by seed; positive: "
+                  "Pre-LN ahead) and its trend: the slope of a line in log10(tokens) through the means (nats per tenfold "
+                  f"tokens) and where that line would cross zero (the paper trained {PAPER_TOKENS / 1e9:.0f}B tokens):",
+              "", "| scheme | R | " + " | ".join(f"{b:,} steps" for b in budgets) + " | slope | zero at |",
+              "|---|---|" + "---|" * (len(budgets) + 2)]
+    lines_of = {}
+    for (s, r), series in gaps.items():
+        slope, where, line = trend(series)
+        lines_of["gap", s, r] = line
+        lines.append(f"| {s} | {r} | " + " | ".join(fmt(series[b]) for b in budgets) + f" | {slope} | {where} |")
+    lines += ["", "The gain from loops: loss at R = 1 minus loss at R = 3 (positive: the loops help), seed by seed:",
+              "", "| scheme | " + " | ".join(f"{b:,} steps" for b in budgets) + " | slope |",
+              "|---|" + "---|" * (len(budgets) + 1)]
+    for s, series in gains.items():
+        slope, _, line = trend(series)
+        lines_of["gain", s] = line
+        lines.append(f"| {s} | " + " | ".join(fmt(series[b]) for b in budgets) + f" | {slope} |")
+    lines += ["", "The gain from loops against Pre-LN's on the same block (scheme's gain minus Pre-LN's, seed by seed; "
+                  "positive: the loops pay the scheme more):", "",
+              "| scheme | " + " | ".join(f"{b:,} steps" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+    for s in gains:
+        if s != baseline(s) and baseline(s) in gains:
+            cells = []
+            for b in budgets:
+                mine = {seed: losses(s, 1, b)[seed] - losses(s, 3, b)[seed]
+                        for seed in set(losses(s, 1, b)) & set(losses(s, 3, b))}
+                theirs = {seed: losses(baseline(s), 1, b)[seed] - losses(baseline(s), 3, b)[seed]
+                          for seed in set(losses(baseline(s), 1, b)) & set(losses(baseline(s), 3, b))}
+                cells.append(fmt(paired(mine, theirs)))
+            lines.append(f"| {s} | " + " | ".join(cells) + " |")
+
+    # the rate check beyond full_grid_until: the chosen rate against its neighbours, one seed
+    checked = [(s, r, b) for b in budgets if b > cfg["full_grid_until"] for s, r in pairs if s in cfg["long_schemes"]]
+    if checked:
+        seed = cfg["long_seeds"][0]
+        lines += ["", f"The chosen rates checked at the longer budgets against the grid's neighbours (seed {seed}; "
+                      f"**lowest**):", "", "| scheme | R | steps | lower rate | chosen rate | higher rate |",
+                  "|---|---|---|---|---|---|"]
+        for s, r, b in checked:
+            rates = [neighbours(best[s, r], cfg["rates"])[0], best[s, r], neighbours(best[s, r], cfg["rates"])[1]]
+            got = [results.get((s, r, 0.0, lr, seed, b)) for lr in rates]
+            values = [run["val_loss"] if run else None for run in got]
+            low = min((v for v in values if v is not None), default=None)
+            cells = ["not run yet" if run is None else "diverged" if v is None else
+                     (f"**{v:.4f}**" if v == low and sum(x is not None for x in values) > 1 else f"{v:.4f}")
+                     + f" (lr {lr:g})" for run, v, lr in zip(got, values, rates)]
+            lines.append(f"| {s} | {r} | {b:,} | " + " | ".join(cells) + " |")
+
+    seconds = {}
+    for (s, r, p, lr, seed, steps), run in results.items():
+        seconds.setdefault((r, steps), []).append(run["seconds"])
+    lines += ["", "Seconds a run took (median over the runs here, one thread each, wall time including any time "
+                  "paused):", "", "| R | " + " | ".join(f"{b:,} steps" for b in budgets) + " |",
+              "|---|" + "---|" * len(budgets)]
+    for r in loops:
+        lines.append(f"| {r} | " + " | ".join(f"{np.median(seconds[r, b]):.0f}" if (r, b) in seconds else "—"
+                                              for b in budgets) + " |")
+    lines += ["", f"{len(results)} runs here; {cfg['wall_minutes']:.1f} min wall in this invocation with "
+                  f"{cfg['workers']} worker(s). Command: `{cfg['command']}`"]
+    table = "\n".join(lines)
+    with open(os.path.join(cfg["out_dir"], "results.md"), "w") as f:
+        f.write(table + "\n")
+    print(table)
+    plot(results, best, cfg, losses, gaps, gains, lines_of, tokens, pairs)
+
+
+def plot(results, best, cfg, losses, gaps, gains, lines_of, tokens, pairs):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install -r requirements-lab.txt)")
+        return
+    budgets = cfg["budgets"]
+    colors = {s: f"C{i}" for i, s in enumerate(cfg["schemes"])}
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    ax = axes[0]
+    for s, r in pairs:
+        points = [(tokens[b], *mean_std(list(losses(s, r, b).values()))[:2]) for b in budgets if losses(s, r, b)]
+        if points:
+            xs, ms, sd = zip(*points)
+            ax.errorbar(xs, ms, yerr=sd, marker="o", ms=3, capsize=2, color=colors[s], ls="-" if r == 1 else "--",
+                        label=f"{s} R={r}")
+    ax.set(xscale="log", xlabel="training tokens", ylabel=f"final val loss (nats per {cfg['unit']})",
+           title="val loss at each scheme's rate")
+    ax.legend(fontsize=6, ncol=2)
+    for ax, series_of, title, key in ((axes[1], gaps, "gap to Pre-LN (+: Pre-LN ahead)", "gap"),
+                                      (axes[2], {(s, 1): v for s, v in gains.items()}, "gain from R = 1 to R = 3",
+                                       "gain")):
+        for (s, r), series in series_of.items():
+            points = [(tokens[b], series[b][0], series[b][1]) for b in budgets if series[b]]
+            if not points:
+                continue
+            xs, ms, sd = zip(*points)
+            label = f"{s} R={r}" if key == "gap" else s
+            ax.errorbar(xs, ms, yerr=sd, marker="o", ms=3, capsize=2, color=colors[s],
+                        ls="-" if r == 1 else "--", label=label)
+            line = lines_of.get(("gap", s, r) if key == "gap" else ("gain", s))
+            if line and key == "gap" and r == 1:
+                span = np.array([min(xs), max(xs) * 10])
+                ax.plot(span, line[0] * np.log10(span) + line[1], color=colors[s], lw=0.7, ls=":")
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set(xscale="log", xlabel="training tokens", ylabel="nats", title=title)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    path = os.path.join(cfg["out_dir"], "budget.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"plot: {path}")
