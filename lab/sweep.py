@@ -51,7 +51,7 @@ import runpy
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -378,6 +378,8 @@ if not on_chains:
     unit = "byte" if meta["tokenizer"] == "bytes" else "token"
     print(f"unigram floor of data/{dataset} (train split): {floor:.4f} nats per {unit}; a run has escaped it when "
           f"its final val loss is below {floor - escape_margin:.4f}")
+if mode == "budget" and "dtype" not in given:
+    dtype = "float32"  # auto picks by the machine's bfloat16 speed: a study compared across CPUs trains in one precision
 run_dtype, dtype_reason = sweep_dtype()
 print(f"dtype {run_dtype} for every run: {dtype_reason}")
 if mode == "budget":
@@ -394,44 +396,72 @@ if mode == "budget":
     if "preln" not in scheme_list:
         die("the budget mode measures every scheme against preln: keep preln in --schemes")
 
-    def run_all(jobs):
-        """{job: result} of (scheme, R, p, lr, seed, steps) jobs in order; with report_only, of those finished."""
-        if report_only:
-            paths = {job: os.path.join(out_dir, "runs", run_name(*job), "result.json") for job in jobs}
-            return {job: json.load(open(path)) for job, path in paths.items() if os.path.isfile(path)}
-        with ThreadPoolExecutor(workers) as pool:
-            return dict(zip(jobs, pool.map(lambda job: train(*job), jobs)))
 
-    def cost(job):
-        return job[5] * job[1]  # steps x loops
+    def best_rate(s, r):
+        """The rate with the lowest mean val loss over the seeds at the first budget, once all its grid runs are done;
+        a rate with a diverged run is not eligible. None while the grid is unfinished or when every rate diverged."""
+        grid = [results.get((s, r, 0.0, lr, seed, budget_list[0])) for lr in lr_list for seed in seed_list]
+        if not all(grid):
+            return None
+        means = {lr: [results[s, r, 0.0, lr, seed, budget_list[0]]["val_loss"] for seed in seed_list]
+                 for lr in lr_list}
+        means = {lr: sum(v) / len(v) for lr, v in means.items() if None not in v}
+        return min(means, key=means.get) if means else None
 
-    grid_jobs = [(s, r, 0.0, lr, seed, budget_list[0]) for s in scheme_list for r in loop_list for lr in lr_list
+    def resolve(job):
+        """A planned run (scheme, R, rate, seed, steps), its rate "best", "lower" or "higher" (the neighbours) until
+        the scheme's grid is done, -> the job train() takes, or None while its rate is not known."""
+        s, r, rate, seed, steps = job
+        if not isinstance(rate, str):
+            return s, r, 0.0, rate, seed, steps
+        lr = best_rate(s, r)
+        if lr is None:
+            return None
+        return s, r, 0.0, {"best": lr, "lower": neighbours(lr, lr_list)[0],
+                           "higher": neighbours(lr, lr_list)[1]}[rate], seed, steps
+
+    # the plan, most wanted first: the long schemes' grid, then their runs from the longest budget down, then the
+    # other schemes' grid and budgets, then the rate checks; a run waits until its scheme's rate is known
+    plan = []
+    for group in (long_list, [s for s in scheme_list if s not in long_list]):
+        plan += [(s, r, lr, seed, budget_list[0]) for s in group for r in loop_list for lr in lr_list
                  for seed in seed_list]
-    print(f"budget study, stage 1: {len(grid_jobs)} runs of {budget_list[0]} steps (every rate), {workers} at a "
-          f"time, into {out_dir}/runs", flush=True)
-    results = run_all(sorted(grid_jobs, key=cost, reverse=True))
-    best = {}  # (scheme, R) -> the rate with the lowest mean val loss at the first budget; none with a diverged run
-    for s in scheme_list:
-        for r in loop_list:
-            means = {}
-            for lr in lr_list:
-                runs = [results.get((s, r, 0.0, lr, seed, budget_list[0])) for seed in seed_list]
-                if all(run and run["val_loss"] is not None for run in runs):
-                    means[lr] = sum(run["val_loss"] for run in runs) / len(runs)
-            if means:
-                best[s, r] = min(means, key=means.get)
-    main_jobs, check_jobs = [], []
-    for steps in budget_list[1:]:
-        wide = steps <= full_grid_until
-        for (s, r), lr in best.items():
-            if wide or s in long_list:
-                main_jobs += [(s, r, 0.0, lr, seed, steps) for seed in (seed_list if wide else long_seed_list)]
-            if not wide and s in long_list:
-                check_jobs += [(s, r, 0.0, rate, long_seed_list[0], steps) for rate in neighbours(lr, lr_list)]
-    jobs = sorted(main_jobs, key=cost, reverse=True) + sorted(check_jobs, key=cost)
-    print(f"budget study, stage 2: {len(main_jobs)} runs at each scheme's best rate, longest first, then "
-          f"{len(check_jobs)} runs at the neighbouring rates", flush=True)
-    results.update(run_all(jobs))
+        for steps in sorted(budget_list[1:], reverse=True):
+            wide = steps <= full_grid_until
+            plan += [(s, r, "best", seed, steps) for s in group if wide or s in long_list for r in loop_list
+                     for seed in (seed_list if wide else long_seed_list)]
+    plan += [(s, r, side, long_seed_list[0], steps) for steps in budget_list[1:] if steps > full_grid_until
+             for s in long_list for r in loop_list for side in ("lower", "higher")]
+    results = {}
+    print(f"budget study: {len(plan)} runs planned, {workers} at a time, into {out_dir}/runs", flush=True)
+    if report_only:
+        changed = True
+        while changed:  # a resolved rate makes the next budget's runs resolvable
+            changed = False
+            for job in map(resolve, plan):
+                path = job and os.path.join(out_dir, "runs", run_name(*job), "result.json")
+                if job and job not in results and os.path.isfile(path):
+                    with open(path) as f:
+                        results[job] = json.load(f)
+                    changed = True
+    else:
+        pending, running = list(plan), {}
+        with ThreadPoolExecutor(workers) as pool:
+            while pending or running:
+                while len(running) < workers:
+                    ready = next(((planned, job) for planned in pending for job in [resolve(planned)] if job), None)
+                    if ready is None:
+                        break
+                    pending.remove(ready[0])
+                    if ready[1] in results or ready[1] in running.values():  # the same run planned twice
+                        continue
+                    running[pool.submit(train, *ready[1])] = ready[1]
+                if not running:  # every pending run waits on a grid whose every rate diverged
+                    break
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    results[running.pop(future)] = future.result()
+    best = {(s, r): best_rate(s, r) for s in scheme_list for r in loop_list if best_rate(s, r) is not None}
     report(results, best, dict(out_dir=out_dir, schemes=scheme_list, loops=loop_list, rates=lr_list,
                                seeds=seed_list, budgets=budget_list, long_schemes=long_list, long_seeds=long_seed_list,
                                full_grid_until=full_grid_until, floor=floor, unit=unit, dataset=dataset,
