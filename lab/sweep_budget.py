@@ -81,8 +81,9 @@ def report(results, best, cfg):
     meta = cfg["meta"]
     lines = ["# python -m lab.sweep --mode=budget", "",
              f"Final val loss in nats per {cfg['unit']} on data/{cfg['dataset']} ({meta['tokens']['train']:,} training "
-             f"and {meta['tokens']['val']:,} val {cfg['unit']}s, Python {meta.get('python', '?')}, text SHA-256 "
-             f"{meta.get('text_sha256', '?')[:16]}...), {cfg['n_layer']} physical blocks of width {cfg['n_embd']}, "
+             f"and {meta['tokens']['val']:,} val {cfg['unit']}s"
+             + (f", Python {meta['python']}, text SHA-256 {meta['text_sha256'][:16]}..." if "python" in meta else "")
+             + f"), {cfg['n_layer']} physical blocks of width {cfg['n_embd']}, "
              f"{cfg['tokens_per_step']} tokens a step, warmup {cfg['warmup_iters']} steps, cosine to lr/10 at the "
              f"budget's end, {cfg['dtype']}. Budgets in steps: {', '.join(f'{b:,}' for b in budgets)} "
              f"({', '.join(f'{tokens[b] / 1e6:.2f}M' for b in budgets)} tokens); no run repeats a byte "

@@ -651,3 +651,41 @@ def test_bad_prelude_coda_and_loop_input_are_rejected(kw, message):
     with pytest.raises(ValueError) as e:
         tiny(**kw)
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("residual", ["postln", "preln", "deeploop", "deepnorm"])
+def test_blocks_compute_what_pytorchs_transformer_encoder_layer_computes_with_the_same_weights(residual):
+    """A peer check of the blocks: nn.TransformerEncoderLayer (norm_first=False: Post-LN, True: Pre-LN; causal mask,
+    exact GELU, no dropout) loaded with a block's weights gives its output within float32 rounding. PyTorch's layer
+    has no alpha; a LayerNorm does not see the scale of its input but through eps, so Norm(alpha x + f(x)) is the
+    layer's Norm(x + f(x) / alpha) with the branch outputs divided by alpha."""
+    torch.manual_seed(0)
+    model = GPT(tiny(n_layer=2, n_loop=3, n_head=4, n_embd=32, residual=residual))
+    block = model.transformer.h[1]
+    with torch.no_grad():  # gains, biases and projections away from their init, so every weight shows
+        for p in block.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    alpha = 1.0 if residual in PRE_LN else block.alpha
+    assert (alpha == 1.0) == (residual in ("postln", "preln"))
+    peer = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=128, dropout=0.0, activation="gelu",
+                                            batch_first=True, norm_first=residual in PRE_LN).eval()
+    with torch.no_grad():
+        peer.self_attn.in_proj_weight.copy_(block.attn.c_attn.weight)
+        peer.self_attn.in_proj_bias.copy_(block.attn.c_attn.bias)
+        peer.linear1.weight.copy_(block.mlp.c_fc.weight)
+        peer.linear1.bias.copy_(block.mlp.c_fc.bias)
+        for mine, theirs in ((block.attn.c_proj, peer.self_attn.out_proj), (block.mlp.c_proj, peer.linear2)):
+            theirs.weight.copy_(mine.weight / alpha)
+            theirs.bias.copy_(mine.bias / alpha)
+        for mine, theirs in ((block.ln_1, peer.norm1), (block.ln_2, peer.norm2)):
+            theirs.weight.copy_(mine.weight)
+            theirs.bias.copy_(mine.bias)
+    x = torch.randn(3, 16, 32)
+    if residual not in PRE_LN:
+        x = F.layer_norm(x, (32,))  # a Post-LN block reads a normalized stream
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(16)
+    with torch.no_grad():
+        expected = peer(x, src_mask=mask, is_causal=True)
+        got = block(x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-5 if alpha == 1.0 else 1e-4)
+    assert (got - x).abs().max() > 0.1  # the block did change its input

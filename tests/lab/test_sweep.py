@@ -429,3 +429,99 @@ def test_a_variant_runs_its_model_settings_and_labels_its_rows(tmp_path):
     r = sweep_made_up("--mode=depth", f"--out_dir={out}", "--schemes=preln+add", "--loops=1", "--seeds=0",
                       "--learning_rates=1e-3")
     assert r.returncode == 2 and r.stderr.startswith("error: the grid has no runs: untied at R = 1 would be Pre-LN")
+
+
+def write_budget_runs(out, runs):
+    """runs: {(scheme, R, lr, seed, steps): final val loss} -> result.json files like the budget mode's"""
+    for (scheme, n_loop, lr, seed, steps), val_loss in runs.items():
+        name = f"{scheme}_R{n_loop}_p0_lr{lr:g}_seed{seed}_it{steps}"
+        os.makedirs(out / "runs" / name)
+        result = dict(name=name, scheme=scheme, n_loop=n_loop, exponent=0.0, lr=lr, seed=seed, steps=steps,
+                      seconds=2.0, val_loss=val_loss, kappa=1.0, curve=[(0, 5.6), (steps, val_loss)],
+                      val_curve=[(steps, val_loss)])
+        (out / "runs" / name / "result.json").write_text(json.dumps(result))
+
+
+BUDGET_ARGS = ["--mode=budget", "--dataset=builtin_bytes", "--schemes=preln,deeploop", "--loops=1,3",
+               "--learning_rates=1e-3,3e-3", "--seeds=0,1", "--budgets=10,100,1000", "--full_grid_until=100",
+               "--long_schemes=preln,deeploop", "--long_seeds=0"]
+
+
+def test_budget_mode_reports_the_gap_to_preln_its_trend_and_the_gain_from_loops(tmp_path):
+    """Made-up runs: Pre-LN at R = 1 loses 3.0 / 2.5 / 2.0 over the budgets, DeepLoop 0.3 / 0.2 / 0.1 more (a gap
+    that shrinks by 0.1 per tenfold budget, so that its line reaches zero at 10^3 times the first budget's tokens);
+    R = 3 takes 0.05 off Pre-LN and 0.15 off DeepLoop; the rate 1e-3 is 0.5 worse everywhere; seed 1 is 0.02 worse
+    than seed 0. The grid's best rate, 3e-3, is the only one the longer budgets run."""
+    out = tmp_path / "budget"
+    runs = {}
+    for s, gap, gain in (("preln", (0.0, 0.0, 0.0), 0.05), ("deeploop", (0.3, 0.2, 0.1), 0.15)):
+        for r in (1, 3):
+            for i, steps in enumerate((10, 100, 1000)):
+                for seed in ((0, 1) if steps <= 100 else (0,)):
+                    loss = 3.0 - 0.5 * i + gap[i] - (gain if r == 3 else 0) + 0.02 * seed
+                    runs[s, r, 3e-3, seed, steps] = loss
+                    if steps == 10:
+                        runs[s, r, 1e-3, seed, steps] = loss + 0.5
+    write_budget_runs(out, runs)
+    r = sweep(*BUDGET_ARGS, f"--out_dir={out}", "--report_only=True")
+    assert r.returncode == 0, r.stderr
+    assert " s)\n" not in r.stdout  # nothing trained
+    table = (out / "results.md").read_text()
+    assert "| preln | 1 | 3.5100 | **3.0100** |" in table  # the grid at 10 steps, mean over seeds 0 and 1
+    assert "| deeploop | 1 | 0.003 | 3.3100 ± 0.0141 (2) | 2.7100 ± 0.0141 (2) | 2.1000 ± 0.0000 (1) |" in table
+    gap = table.split("The gap to Pre-LN")[1]
+    # 10 steps of 512 tokens is 5,120 tokens: the line through +0.3, +0.2, +0.1 reaches zero at 5.12e6 tokens
+    assert "| deeploop | 1 | +0.300 ± 0.000 (2) | +0.200 ± 0.000 (2) | +0.100 ± 0.000 (1) | -0.100 | 5.1e+06 tokens |" \
+        in gap
+    assert "| deeploop | 3 | +0.200 ± 0.000 (2) | +0.100 ± 0.000 (2) | +0.000 ± 0.000 (1) |" in gap
+    gain = table.split("The gain from loops: ")[1]
+    assert "| preln | +0.050 ± 0.000 (2) | +0.050 ± 0.000 (2) | +0.050 ± 0.000 (1) | +0.000 |" in gain
+    assert "| deeploop | +0.150 ± 0.000 (2) | +0.150 ± 0.000 (2) | +0.150 ± 0.000 (1) | +0.000 |" in gain
+    assert "| deeploop | +0.100 ± 0.000 (2) | +0.100 ± 0.000 (2) | +0.100 ± 0.000 (1) |" in table.split(
+        "against Pre-LN's on the same block")[1]
+    # the rate checks at 1,000 steps (beyond full_grid_until) are planned at the grid's neighbours, not run yet
+    assert "| preln | 1 | 1,000 | not run yet | 2.0000 (lr 0.003) | not run yet |" in table
+    assert (out / "budget.png").stat().st_size > 20000
+    # one check run arrives: it is read, and the lowest of the three is marked
+    write_budget_runs(out, {("preln", 1, 9e-3, 0, 1000): 1.95})
+    r = sweep(*BUDGET_ARGS, f"--out_dir={out}", "--report_only=True")
+    assert "| preln | 1 | 1,000 | not run yet | 2.0000 (lr 0.003) | **1.9500** (lr 0.009) |" in r.stdout
+
+
+def test_budget_mode_trains_its_plan_in_order_and_resumes(tmp_path):
+    """A real budget study of 2-step runs: the grid, then the best rate at the longer budget, then the neighbours;
+    a second invocation trains nothing."""
+    out = tmp_path / "budget_real"
+    args = ["--mode=budget", "--dataset=builtin_bytes", "--schemes=preln", "--loops=1", "--learning_rates=1e-3,3e-3",
+            "--seeds=0", "--budgets=2,3", "--full_grid_until=2", "--long_schemes=preln", "--long_seeds=0",
+            "--warmup_iters=1", "--eval_iters=1", f"--out_dir={out}", "--workers=1"]
+    r = sweep(*args)
+    assert r.returncode == 0, r.stderr
+    trained = [line.split()[0] for line in r.stdout.splitlines() if line.endswith(" s)")]
+    best = float(trained[2].split("_lr")[1].split("_")[0])
+    assert trained[:2] == ["preln_R1_p0_lr0.001_seed0_it2", "preln_R1_p0_lr0.003_seed0_it2"]
+    assert best in (1e-3, 3e-3) and trained[2] == f"preln_R1_p0_lr{best:g}_seed0_it3"
+    around = ["0.000333", "0.003"] if best == 1e-3 else ["0.001", "0.009"]  # the grid's spacing beyond its edge
+    assert trained[3:] == [f"preln_R1_p0_lr{lr}_seed0_it3" for lr in around]
+    meta = json.loads((out / "runs" / trained[2] / "result.json").read_text())
+    assert meta["steps"] == 3 and meta["dtype"] == "float32" and meta["val_curve"][-1][0] == 3
+    r = sweep(*args)
+    assert r.returncode == 0 and " s)\n" not in r.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--budgets=100,10"], "budgets must be distinct positive step counts, shortest first, like "
+                           "400,1350,4300,13500,43000; got 100,10"),
+    (["--long_schemes=postln", "--schemes=preln,deeploop"], "long_schemes must be among --schemes=preln,deeploop; "
+                                                             "got postln"),
+    (["--schemes=deeploop", "--long_schemes=deeploop"], "the budget mode measures every scheme against preln: keep "
+                                                        "preln in --schemes"),
+])
+def test_budget_mode_bad_settings_are_one_line_errors(args, message):
+    r = sweep("--mode=budget", "--dataset=builtin_bytes", *args)
+    assert (r.returncode, r.stderr) == (2, f"error: {message}\n")
+
+
+def test_report_only_is_for_the_budget_mode():
+    r = sweep("--mode=loops", "--report_only=True")
+    assert r.returncode == 2 and r.stderr.startswith("error: report_only applies to --mode=budget")
