@@ -94,5 +94,6 @@ def test_lab_modules_without_their_packages_name_requirements_lab_and_the_lesson
 if __name__ == "__main__":
     sys.path[:0] = [ROOT]
     os.chdir(ROOT)
+    results = run_cases(sys.argv[1])
     with open(os.path.join(sys.argv[1], "results.json"), "w") as f:
-        json.dump(run_cases(sys.argv[1]), f, indent=1)
+        json.dump(results, f, indent=1)
