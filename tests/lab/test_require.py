@@ -94,6 +94,7 @@ def test_lab_modules_without_their_packages_name_requirements_lab_and_the_lesson
 if __name__ == "__main__":
     sys.path[:0] = [ROOT]
     os.chdir(ROOT)
-    results = run_cases(sys.argv[1])
-    with open(os.path.join(sys.argv[1], "results.json"), "w") as f:
+    folder = sys.argv[1]  # before the cases set sys.argv
+    results = run_cases(folder)
+    with open(os.path.join(folder, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
