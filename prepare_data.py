@@ -53,6 +53,7 @@ import numpy as np
 from tqdm import tqdm
 
 from configurator import die
+from lab import require
 from dataset import FORMAT, HEADER_BYTES, MAGIC, SPLITS, VERSION, get_tokenizer, load_meta
 
 BATCH_CHARS = 1 << 22  # text handed to the tokenizer at once: large enough to keep every thread busy
@@ -425,6 +426,10 @@ def prepare(source="builtin", tokenizer="gpt2", out_dir=None, name=None, subset=
     elif subset is not None:
         die(f"--subset is for fineweb_edu only, not {' '.join(sources)}")
     files = expand_files(sources) if kind == "files" else None
+    if kind in HUB_SOURCES:
+        require("huggingface_hub", "pyarrow")
+    elif any(path.lower().endswith(".parquet") for path in files or []):
+        require("pyarrow")
     try:
         enc = get_tokenizer(tokenizer)
     except (ValueError, FileNotFoundError) as e:

@@ -98,7 +98,6 @@ try:
     torch.empty(0, device=device)
 except Exception as e:  # RuntimeError, or AssertionError for CUDA in a CPU build of torch
     die(f"--device={device} is not usable here ({str(e).splitlines()[0]})")
-precisions = [("float32", False), ("bfloat16", False), ("bfloat16", True)] if compare_dtypes else [(dtype, compile)]
 depths = [(n_layer, n_loop)] + ([(n_layer * n_loop, 1)] if compare_depths else [])
 try:
     configs = [GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=layers, n_loop=loops, n_head=n_head,
@@ -106,11 +105,13 @@ try:
                          residual_lambda=residual_lambda, norm=norm, position_encoding=position_encoding,
                          norm_branch_input=norm_branch_input, n_prelude=n_prelude, n_coda=n_coda,
                          loop_input=loop_input) for layers, loops in depths]
-    if any(compiled for _, compiled in precisions):
+    if compile or compare_dtypes:  # a compiled model is benched
         lookup_backend(compile_backend)
     dtype, dtype_reason = choose_dtype(device, dtype, n_embd, batch_size * block_size)
 except (ValueError, torch._dynamo.exc.InvalidBackend) as e:
     die(str(e))
+# after choose_dtype: "auto" is no precision to build a model in
+precisions = [("float32", False), ("bfloat16", False), ("bfloat16", True)] if compare_dtypes else [(dtype, compile)]
 malloc_line = "allocator: glibc malloc keeps freed memory (runtime.tune_malloc)" if tuned_malloc and tune_malloc() \
     else "allocator: the C library's defaults"
 peak = peak_flops or default_peak_flops(device, dtype)[0]

@@ -48,6 +48,9 @@ from contextlib import nullcontext
 from urllib.parse import urlparse
 
 import torch
+
+from lab import require
+require("lm_eval", "datasets", "huggingface_hub")  # before the lm_eval imports below, a traceback without it
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import normalize_gen_kwargs
 from torch.nn import functional as F

@@ -20,6 +20,7 @@ import torch
 from torch.nn import functional as F
 
 from configurator import configure, die
+from lab import require
 from dataset import EVAL_SEED, TokenWindows
 from model import GPT, MAX_LOOPS
 from lab.decode import KV_CACHES, exit_logits, new_caches
@@ -47,6 +48,7 @@ if not (all(1 <= n <= MAX_LOOPS for n in loop_counts) and all(t >= 0 for t in th
         f"largest of loops) to {MAX_LOOPS} and cached_batches >= 0, got loops={loops!r} "
         f"exit_thresholds={exit_thresholds!r} max_loops={max_loops!r} cached_batches={cached_batches!r}")
 if png:  # checked before the evaluation, which can take minutes
+    require("matplotlib")
     from matplotlib.backend_bases import FigureCanvasBase
 
     folder, suffix = os.path.dirname(png) or ".", os.path.splitext(png)[1][1:].lower()

@@ -42,6 +42,7 @@ from dataclasses import asdict
 import torch
 
 from configurator import configure, die
+from lab import require
 from dataset import get_tokenizer
 from model import GPT, MAX_LOOPS, PRE_LN
 from lab.tasks import require_text
@@ -78,11 +79,6 @@ def load(out_dir, to, gpt2=False, n_loop=0):
     FileNotFoundError with a message that names the fix; writes nothing."""
     if not to:
         raise ValueError("--to is empty: name the folder to write, e.g. --to=hf-smoke")
-    try:
-        import safetensors, tokenizers, transformers  # noqa: F401
-    except ImportError as e:
-        raise ValueError(f"the export needs transformers, tokenizers and safetensors ({e}): pip install -r "
-                         f"requirements.txt") from None
     if not 0 <= n_loop <= MAX_LOOPS:
         raise ValueError(f"--n_loop must be a loop count from 1 to {MAX_LOOPS} (model.MAX_LOOPS), or 0 (the trained "
                          f"one), got {n_loop}")
@@ -434,11 +430,9 @@ def upload(folder, repo_id, message):
 
 if __name__ == "__main__":
     configure(globals(), sys.argv[1:])
-    try:
-        from transformers.utils import logging as transformers_logging
-        transformers_logging.disable_progress_bar()  # "Loading weights" of the check, on every export
-    except ImportError:
-        pass  # load() says what to install
+    require("safetensors", "tokenizers", "transformers", "huggingface_hub")
+    from transformers.utils import logging as transformers_logging
+    transformers_logging.disable_progress_bar()  # "Loading weights" of the check, on every export
     if push_to_hub and not re.fullmatch(r"[\w.-]+/[\w.-]+", push_to_hub):
         die(f"--push_to_hub must name a model repository as owner/name, got {push_to_hub!r}")
     try:

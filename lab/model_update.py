@@ -41,6 +41,7 @@ from torch.func import functional_call, jvp
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from configurator import configure, die
+from lab import require
 from dataset import EVAL_SEED, TokenWindows, load_meta
 from model import GPT, GPTConfig
 from prepare_data import prepare_builtin_if_missing
@@ -527,6 +528,8 @@ def script_settings():
 
 if __name__ == "__main__":
     configure(globals(), sys.argv[1:])
+    if png:
+        require("matplotlib")
     try:
         S = script_settings()
         if mode == "step":

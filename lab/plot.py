@@ -20,6 +20,7 @@ import os
 import sys
 
 from configurator import configure, die
+from lab import require
 
 png = "runs.png"  # where the figure goes
 
@@ -84,6 +85,7 @@ def curves(run_dir):
 if __name__ == "__main__":
     run_dirs = [a for a in sys.argv[1:] if not a.startswith("--")]
     configure(globals(), [a for a in sys.argv[1:] if a.startswith("--")])
+    require("matplotlib")
     if not run_dirs:
         die("name the runs to plot: python -m lab.plot out-a out-b ... (folders that train.py wrote)")
     runs = [(run_dir, *curves(run_dir)) for run_dir in run_dirs]

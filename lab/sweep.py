@@ -57,6 +57,7 @@ import numpy as np
 
 from runtime import choose_dtype
 from configurator import configure, die
+from lab import require
 from dataset import load_meta, read_shard
 from model import OWN_EXPONENT, RESIDUALS
 from lab.plot import read_metrics
@@ -94,6 +95,7 @@ eval_iters = 20
 dtype = "auto"            # one precision for every run; auto: measured once here (runtime.choose_dtype)
 given = set()             # the settings that config files and --key=value overrides set (configurator)
 config = configure(globals(), sys.argv[1:], given)
+require("matplotlib")  # the plots at the end
 # -----------------------------------------------------------------------------------------------------------------
 
 MODES = {
@@ -744,14 +746,9 @@ print(table)
 # -----------------------------------------------------------------------------------------------------------------
 # plots
 
-try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-except ImportError:
-    print("matplotlib is not installed: no plots (pip install matplotlib)")
-    print(f"sweep took {minutes:.1f} min")
-    sys.exit(0)
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
 
 # every run's training loss: the escape line must fall between the runs that stall and those that learn more
 if not on_chains:  # the depth task has no unigram floor to draw

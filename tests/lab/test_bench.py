@@ -1,3 +1,4 @@
+import contextlib
 import re
 import time
 
@@ -60,6 +61,17 @@ def test_bench_prints_throughput_mfu_and_generation_speed_for_both_depths():
                      r"\(same unrolled FLOPs\)", lines[-1])
     assert m, lines[-1]
     assert float(m.group(1)) == pytest.approx(found[0][1][0] / found[1][1][0], rel=0.01)  # the ratio of the lines
+
+
+def test_bench_with_dtype_auto_benches_the_precision_choose_dtype_picks():
+    """The default dtype, "auto", is resolved (runtime.choose_dtype) before any model is built in it."""
+    result = bench("--compile=False")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    m = re.fullmatch(r"dtype (float32|bfloat16): one block's matrix products .* measured [0-9.]+x as fast in "
+                     r"bfloat16 as in float32 .*", lines[1])
+    assert m, lines[1]
+    assert [model[2] for model, _, _ in rows(lines)] == [m.group(1)]
 
 
 # started with the session (conftest.py): compiling takes 5-20 s
@@ -164,11 +176,30 @@ def test_bad_settings_are_one_line_errors_before_any_work(setting, message):
     assert result.stderr.startswith(f"error: {message}"), result.stderr
 
 
+@contextlib.contextmanager
+def dynamo_settings_kept():
+    """Dynamo's settings that bench.py changes for its process, put back afterwards. By hand: monkeypatch (pytest
+    9.2) undoes a setattr on torch._dynamo.config by deleting the attribute, which hides it from every later test."""
+    saved = {name: getattr(torch._dynamo.config, name) for name in ("recompile_limit", "fail_on_recompile_limit_hit")}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(torch._dynamo.config, name, value)
+
+
 @pytest.fixture
-def dynamo_settings(monkeypatch):
-    """Dynamo's settings that bench.py changes for its process, put back after a test that runs it here."""
-    for name in ("recompile_limit", "fail_on_recompile_limit_hit"):
-        monkeypatch.setattr(torch._dynamo.config, name, getattr(torch._dynamo.config, name))
+def dynamo_settings():
+    with dynamo_settings_kept():
+        yield
+
+
+def test_dynamo_settings_kept_puts_the_values_back_and_keeps_the_settings():
+    limit, fail = torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit
+    with dynamo_settings_kept():
+        torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit = limit + 7, not fail
+    assert (torch._dynamo.config.recompile_limit, torch._dynamo.config.fail_on_recompile_limit_hit) == (limit, fail)
+    assert {"recompile_limit", "fail_on_recompile_limit_hit"} <= set(torch._dynamo.config.get_config_copy())
 
 
 @pytest.fixture
