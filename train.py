@@ -43,8 +43,7 @@ eval_iters = 200         # batches per split in an evaluation
 checkpoint_minutes = 0.0  # also write ckpt.pt when this many minutes passed since the last one; 0: only at evaluations
 log_interval = 10        # a train record in metrics.jsonl every this many steps
 init_from = "scratch"    # "scratch", or "resume" from out_dir/ckpt.pt
-start_over = False       # scratch into an out_dir that holds a run: True moves its files into out_dir/previous-N, else
-#                          the run stops (guard.lock_out_dir); nothing is ever deleted
+start_over = False       # scratch over a run in out_dir: True moves its files into out_dir/previous-N, False stops
 wandb_log = False        # also log to Weights & Biases (needs `pip install wandb`)
 wandb_project = "deeploop"
 wandb_run_name = "run"
@@ -171,8 +170,7 @@ try:
     gpt_config = GPTConfig(**model_args)
 except ValueError as e:
     die(str(e))
-# one run per out_dir, and a start that would fail or overwrite a run stops here, before out_dir is made or changed
-lock_file = procs.on_master(lambda: guard.lock_out_dir(out_dir, init_from, start_over))
+lock_file = procs.on_master(lambda: guard.lock_out_dir(out_dir, init_from, start_over))  # one run per out_dir
 
 
 def to_device(batch):  # on CUDA from pinned memory: the copy runs while the GPU still works on the previous batch

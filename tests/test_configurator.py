@@ -103,5 +103,5 @@ def test_only_the_lower_case_names_a_script_assigns_are_settings(tmp_path, capsy
         with pytest.raises(SystemExit) as e:
             configure(dict(namespace), [f"--{key}=5"])
         assert e.value.code == 2
-        assert capsys.readouterr().err == f"error: unknown config key '{key}' in --{key}; known keys: n_loop, out_dir, " \
-                                          f"seed\n"
+        assert capsys.readouterr().err == \
+            f"error: unknown config key '{key}' in --{key}; known keys: n_loop, out_dir, seed\n"
