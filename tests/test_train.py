@@ -570,9 +570,13 @@ def test_a_signal_during_a_long_evaluation_stops_it_at_once_and_resuming_is_exac
     args = [f"--out_dir={out_dir.name}", f"--max_iters={2 * HALF}", "--dropout=0.1", "--init_from=resume"]
     proc = start(workdir, *args, "--eval_iters=1000000000")
     monkeypatch.undo()
-    wait_for(marker.exists, proc, "the evaluation at step 8")
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 75, output(proc)[-3000:]
+    try:
+        wait_for(marker.exists, proc, "the evaluation at step 8")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 75, output(proc)[-3000:]
+    finally:
+        proc.kill()  # if it did not stop
+        proc.wait()
     assert output(proc).strip().splitlines()[-1].startswith(
         f"stopped by SIGTERM: {out_dir.name}/ckpt.pt holds step 8; resume with: python ")
     ckpt = load(out_dir)

@@ -319,12 +319,16 @@ def test_a_signal_while_writing_leaves_nothing_aside_and_an_empty_folder_as_it_w
     with open(tmp_path / "log", "w+") as log:
         proc = Started(SCRIPT, f"--out_dir={out_dir}", f"--to={to}", cwd=ROOT, log=log)
         monkeypatch.undo()
-        deadline = time.monotonic() + 120
-        while not marker.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read()
-            time.sleep(0.01)
-        proc.send_signal(signum)
-        assert proc.wait(timeout=60) == 128 + signum
+        try:
+            deadline = time.monotonic() + 120
+            while not marker.exists():
+                assert proc.poll() is None and time.monotonic() < deadline, log.read()
+                time.sleep(0.01)
+            proc.send_signal(signum)
+            assert proc.wait(timeout=60) == 128 + signum
+        finally:
+            proc.kill()  # if it did not stop
+            proc.wait()
         log.seek(0)
         assert "Traceback" not in log.read()
     assert sorted(os.listdir(tmp_path)) == (["log", "to", "writing"] if to_exists else ["log", "writing"])
