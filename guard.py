@@ -8,7 +8,8 @@ training itself. Its guarantees (docs/preemption.md says how to use them on a cl
   code for it (128 + its number), and ckpt.pt stays the previous one, whole. Before training starts, a signal stops
   at once.
 - One run per out_dir: a run holds out_dir/train.lock (an flock) while it lives, and a second one stops at once. The
-  OS drops the lock however its holder dies, so a dead run blocks nothing.
+  OS drops the lock however its holder dies, so a dead run blocks nothing. A run from scratch never overwrites an
+  earlier run's files (start_over moves them aside), and a start that cannot work makes no out_dir and no lock.
 - ckpt.pt is only ever replaced whole: written under another name, synced to disk, then renamed over the old one. A
   process killed at any moment leaves the previous checkpoint or the new one; a failed write (a full disk) removes the
   temporary file and keeps the previous checkpoint.
