@@ -5,7 +5,9 @@ nanoGPT-style configuration: a script keeps its settings as plain module-level v
     configure(globals(), sys.argv[1:])
 
 which runs the config files named on the command line (python files of `key = value` lines), then applies the
-`--key=value` overrides, and returns the settings. Values are read with ast.literal_eval, never eval; a value that
+`--key=value` overrides, and returns the settings. The settings are the names the script itself assigns at its
+top level, in lower case: not the names it imports (train.py's EVAL_SEED, sample.py's MAX_LOOPS) nor its UPPER_CASE
+constants. Values are read with ast.literal_eval, never eval; a value that
 is no Python literal is taken as a bare string (`--dataset=builtin`). A value has its default's type (an int may stand
 for a float; None only where the default is None). Anything wrong stops the script with one line
 on stderr and exit code 2. A script that must tell a setting given from its default (sweep.py, where a given one
@@ -38,8 +40,24 @@ def _checked(key, value, config, source):
         f"got {type(value).__name__} {value!r}")
 
 
+def declared(namespace):
+    """The names a script's file assigns at its top level in lower case -> a set; None where the namespace has no file
+    (a dict of settings, as the tests pass): then every name counts."""
+    path = namespace.get("__file__")
+    if not path or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    targets = [t for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+               for t in (node.targets if isinstance(node, ast.Assign) else [node.target])]
+    names = {n.id for t in targets for n in (t.elts if isinstance(t, ast.Tuple) else [t]) if isinstance(n, ast.Name)}
+    return {name for name in names if not name.isupper()}
+
+
 def configure(namespace, argv, given=None):
-    config = {k: v for k, v in namespace.items() if not k.startswith("_") and isinstance(v, SIMPLE_TYPES)}
+    settings = declared(namespace)
+    config = {k: v for k, v in namespace.items() if not k.startswith("_") and isinstance(v, SIMPLE_TYPES)
+              and (settings is None or k in settings)}
     for arg in argv:
         if not arg.startswith("--"):
             if not os.path.isfile(arg):

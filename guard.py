@@ -8,7 +8,8 @@ training itself. Its guarantees (docs/preemption.md says how to use them on a cl
   code for it (128 + its number), and ckpt.pt stays the previous one, whole. Before training starts, a signal stops
   at once.
 - One run per out_dir: a run holds out_dir/train.lock (an flock) while it lives, and a second one stops at once. The
-  OS drops the lock however its holder dies, so a dead run blocks nothing.
+  OS drops the lock however its holder dies, so a dead run blocks nothing. A run from scratch never overwrites an
+  earlier run's files (start_over moves them aside), and a start that cannot work makes no out_dir and no lock.
 - ckpt.pt is only ever replaced whole: written under another name, synced to disk, then renamed over the old one. A
   process killed at any moment leaves the previous checkpoint or the new one; a failed write (a full disk) removes the
   temporary file and keeps the previous checkpoint.
@@ -152,13 +153,37 @@ class Stop:
         os._exit(128 + signum)  # the shell's code for a process ended by this signal
 
 
-def lock_out_dir(out_dir):
+RUN_FILES = ("ckpt.pt", "metrics.jsonl")  # what a run keeps in its out_dir, beside the lock file
+
+
+def lock_out_dir(out_dir, init_from="scratch", start_over=False):
     """Make out_dir and take out_dir/train.lock -> the open lock file, which holds the lock for as long as it stays
     open: a second train.py on the same out_dir stops here. The OS releases an flock when its holder dies, even by
-    SIGKILL, so a dead run blocks nothing."""
-    os.makedirs(out_dir, exist_ok=True)
-    lock_path = os.path.join(out_dir, "train.lock")
-    lock_file = open(lock_path, "a+")
+    SIGKILL, so a dead run blocks nothing. What else makes a start fail stops here too, with one line, before anything
+    is created or changed: an empty out_dir, one that is a file or cannot be written, init_from=resume without a
+    checkpoint, and init_from=scratch into an out_dir that holds a run's files (RUN_FILES), which a rerun would
+    overwrite, unless start_over: that moves them into out_dir/previous-N (the first N free), deleting nothing."""
+    ckpt_path, lock_path = os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "train.lock")
+    if not out_dir:
+        die("--out_dir is empty: name the run's folder, e.g. --out_dir=out-smoke")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        die(f"--out_dir={out_dir} is a file, not a folder: choose another --out_dir")
+    if init_from == "resume" and (start_over or not os.path.isfile(ckpt_path)):
+        die("start_over applies to init_from=scratch only: drop one of them" if start_over else
+            f"no checkpoint at {ckpt_path} to resume: leave out --init_from=resume to start a run there, or point "
+            f"--out_dir at the run's folder")
+    earlier = [name for name in RUN_FILES if os.path.exists(os.path.join(out_dir, name))] if init_from == "scratch" \
+        else []
+    overwrite = (f"{out_dir} holds an earlier run ({', '.join(earlier)}), which a run from scratch would overwrite: "
+                 f"continue it with --init_from=resume, choose another --out_dir, or set --start_over=True to move its "
+                 f"files aside (into {out_dir}/previous-N) and start afresh") if earlier and not start_over else None
+    if overwrite and not os.path.exists(lock_path):  # no lock file: no run holds out_dir, and none is made here
+        die(overwrite)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        lock_file = open(lock_path, "a+")
+    except OSError as e:
+        die(f"cannot write in {out_dir} ({e.strerror}): choose an --out_dir that this process may create and write")
     try:
         fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -169,11 +194,27 @@ def lock_out_dir(out_dir):
             f"choose another --out_dir")
     except OSError as e:  # e.g. Lustre mounted without -o flock
         print(f"note: cannot lock {lock_path} ({e.strerror}): nothing keeps a second run out of {out_dir}")
+    if overwrite:
+        lock_file.close()
+        die(overwrite)
+    tmp_path = ckpt_path + ".tmp"
+    try:
+        open(tmp_path, "wb").close()  # where every checkpoint is written first: the folder must take new files
+        os.remove(tmp_path)  # also a checkpoint cut short by a killed run
+        if earlier:
+            n = 1
+            while os.path.exists(os.path.join(out_dir, f"previous-{n}")):
+                n += 1
+            aside = os.path.join(out_dir, f"previous-{n}")
+            os.mkdir(aside)
+            for name in earlier:
+                os.rename(os.path.join(out_dir, name), os.path.join(aside, name))
+            print(f"start_over: moved {out_dir}'s {' and '.join(earlier)} into {aside}")
+    except OSError as e:
+        die(f"cannot write in {out_dir} ({e.strerror}): choose an --out_dir that this process may create and write")
     lock_file.truncate(0)
     lock_file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     lock_file.flush()
-    if os.path.exists(os.path.join(out_dir, "ckpt.pt.tmp")):
-        os.remove(os.path.join(out_dir, "ckpt.pt.tmp"))  # a checkpoint cut short by a killed run
     return lock_file
 
 
@@ -216,9 +257,12 @@ class CheckpointFile:
         return f"{self.path} keeps step {self.step}" if self.step is not None else "this run wrote no checkpoint yet"
 
     def write_failed(self, path, error, step):
-        """The line for a failed write of path (this checkpoint or another file of the run) at step."""
-        return (f"writing {path} failed at step {step}: {error.strerror or error}; {self.kept()}; make room (or fix "
-                f"the folder) and resume with --init_from=resume")
+        """The line for a failed write of path (this checkpoint or another file of the run) at step: what to do
+        depends on whether there is a checkpoint of this run to resume."""
+        again = "resume with --init_from=resume" if self.step is not None else \
+            "run again with --start_over=True (a run from scratch there moves this one's files aside)"
+        return f"writing {path} failed at step {step}: {error.strerror or error}; {self.kept()}; make room (or fix " \
+               f"the folder) and {again}"
 
     def stopped(self, signum, argv, ddp):
         """The line for a run stopped by signum once this file holds its step: the command line argv again, resuming."""

@@ -481,6 +481,12 @@ class GPT(nn.Module):
         try:
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:
+            with open(path, "rb") as f:
+                zipped = f.read(4) == b"PK\x03\x04"  # torch.save's format: a zip archive
+            if zipped:
+                raise ValueError(f"{path} is damaged: a checkpoint that does not load whole ({type(e).__name__}), "
+                                 f"cut short or corrupted after it was written, e.g. by an interrupted copy; copy it "
+                                 f"again from where it came from") from e
             raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}); point --out_dir at a "
                              f"train.py run") from e
         if not isinstance(ckpt, dict) or ckpt.get("program") != "deeploop-train":

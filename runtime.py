@@ -54,6 +54,21 @@ def tune_malloc():
     return bool(libc.mallopt(M_MMAP_THRESHOLD, limit)) and bool(libc.mallopt(M_TRIM_THRESHOLD, limit))
 
 
+def check_device(device):
+    """Raise ValueError (one line naming the devices this machine has) unless device is one to run on here: cpu,
+    cuda or cuda:N of a GPU that is there, mps where torch has it. Each script checks before it builds anything, so
+    that no traceback from deep inside torch (a CPU build's "Torch not compiled with CUDA enabled") ends a run."""
+    here = ["cpu", *(f"cuda:{i}" for i in range(torch.cuda.device_count())),
+            *(["mps"] if torch.backends.mps.is_available() else [])]
+    try:
+        parsed = torch.device(device)
+        name = parsed.type if parsed.type != "cuda" else f"cuda:{parsed.index or 0}"
+    except RuntimeError:
+        name = None
+    if name != "cpu" and name not in here:
+        raise ValueError(f"--device={device} is not usable here (the devices here: {', '.join(here)}); use one of them")
+
+
 def time_block_matmuls(n_embd, rows, repeats=5):
     """(float32 seconds, bfloat16 seconds, rows): the fastest of up to `repeats` runs of each precision, through
     autocast as training runs them, of the forward and backward of one block's four matrix products (attention in and

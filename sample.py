@@ -18,7 +18,7 @@ import time
 import torch
 import torch._dynamo
 
-from runtime import precision, tune_malloc
+from runtime import check_device, precision, tune_malloc
 from configurator import configure, die
 from dataset import get_tokenizer, valid_text
 from model import GPT, MAX_LOOPS
@@ -71,6 +71,7 @@ if start.startswith("FILE:"):
         die(f"the prompt file {path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8")
 
 try:
+    check_device(device)
     model, checkpoint = GPT.from_checkpoint(f"{out_dir}/ckpt.pt", device)
     require_text(checkpoint, out_dir)
     dtype, dtype_reason, ctx = precision(device, dtype, model.config.n_embd, model.config.block_size)

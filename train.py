@@ -27,7 +27,7 @@ from configurator import configure, die
 from dataset import EVAL_SEED, TokenWindows, load_meta
 from model import GPT, GPTConfig
 from prepare_data import prepare_builtin_if_missing
-from runtime import default_peak_flops, precision, rng_states, set_rng_states, tune_malloc
+from runtime import check_device, default_peak_flops, precision, rng_states, set_rng_states, tune_malloc
 # the lab's instruments that train.py offers: FLOPs for MFU, sampled loop counts, stream probes, the depth task
 from lab.flops import flops_per_token
 from lab.loops import TrainLoops, TruncatedBackprop
@@ -43,6 +43,7 @@ eval_iters = 200         # batches per split in an evaluation
 checkpoint_minutes = 0.0  # also write ckpt.pt when this many minutes passed since the last one; 0: only at evaluations
 log_interval = 10        # a train record in metrics.jsonl every this many steps
 init_from = "scratch"    # "scratch", or "resume" from out_dir/ckpt.pt
+start_over = False       # scratch over a run in out_dir: True moves its files into out_dir/previous-N, False stops
 wandb_log = False        # also log to Weights & Biases (needs `pip install wandb`)
 wandb_project = "deeploop"
 wandb_run_name = "run"
@@ -119,6 +120,7 @@ if dataset not in TASKS and (chains := [f"{k}={config[k]!r}" for k, v in chain_d
 if not 0 <= seed < 2 ** 31:  # numpy takes no negative seeds, and seed + rank seeds its 32-bit generator
     die(f"seed must be from 0 to 2**31 - 1, got {seed}")
 try:
+    check_device(device)
     train_loops = TrainLoops(loop_sampling, loop_min, loop_max, loop_mean, backprop_loops)
     eval_loop_counts = train_loops.eval_counts(eval_loops, n_loop)  # val loss at each (n_loop's is val_loss)
 except ValueError as e:
@@ -144,7 +146,6 @@ if device_type == "cpu":
     torch.set_flush_denormal(True)
 
 
-lock_file = procs.on_master(lambda: guard.lock_out_dir(out_dir))  # one run per out_dir
 # The reader is a pure function of (seed, split, index): the data position is the step number, which makes resuming
 # exact and lets DDP ranks split a step's micro-batches between them. Evaluation windows are fixed and the same in
 # every run on a dataset, whatever its seed, so that runs with other seeds or schemes are compared on the same text;
@@ -164,6 +165,12 @@ try:
 except (ValueError, FileNotFoundError) as e:
     die(str(e))
 vocab_size = -(-meta["vocab_size"] // 64) * 64  # the tokenizer's n_vocab padded to a multiple of 64: faster matmuls
+model_args = {k: globals()[k] for k in GPTConfig.__dataclass_fields__}  # vocab_size: from the data
+try:
+    gpt_config = GPTConfig(**model_args)
+except ValueError as e:
+    die(str(e))
+lock_file = procs.on_master(lambda: guard.lock_out_dir(out_dir, init_from, start_over))  # one run per out_dir
 
 
 def to_device(batch):  # on CUDA from pinned memory: the copy runs while the GPU still works on the previous batch
@@ -171,11 +178,6 @@ def to_device(batch):  # on CUDA from pinned memory: the copy runs while the GPU
 
 
 # model and optimizer
-model_args = {k: globals()[k] for k in GPTConfig.__dataclass_fields__}  # vocab_size: from the data
-try:
-    gpt_config = GPTConfig(**model_args)
-except ValueError as e:
-    die(str(e))
 torch.manual_seed(seed)  # the same initial weights on every rank (DDP would broadcast rank 0's anyway)
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 if init_from == "scratch":
@@ -246,13 +248,19 @@ def estimate_loss():
     """Mean loss over eval_iters fixed batches per split, train at n_loop and val at each of eval_loop_counts (test-time
     depth), the batches shared out among DDP processes -> (losses, accuracy): losses = dict(train=, val= (at n_loop),
     val_by_loops={loops: loss}); on a task, the val split's accuracy by k at each loop count ({loops: {"1": accuracy,
-    ...}}, the answer being the most likely token), else None."""
+    ...}}, the answer being the most likely token), else None. (None, None): a signal came, and every process left
+    at the same batch (an evaluation can take minutes; a scheduler's grace period is one step and a write)."""
     raw_model.eval()
     losses, accuracy = {}, None
     for split, data, loop_counts in (("train", train_eval_data, [n_loop]), ("val", val_data, eval_loop_counts)):
         totals = torch.zeros(len(loop_counts), device=device)
         hits, counts = (torch.zeros(len(loop_counts), chain_hops + 1, dtype=torch.float64) for _ in range(2))
-        for index in range(rank, eval_iters, world_size):
+        for first in range(0, eval_iters, world_size):  # as many rounds on every process, a batch each
+            if procs.agree(stop.signum)[0]:
+                raw_model.train()
+                return None, None
+            if (index := first + rank) >= eval_iters:
+                continue
             x, y = data.batch(index, batch_size)
             inputs = to_device((x, y))
             for i, loops in enumerate(loop_counts):
@@ -317,14 +325,14 @@ def log_eval(losses, accuracy):
 def start_logs():
     """On the master: the logs opened, the run described, and its start record written."""
     global peak_flops, peak_source, wandb
-    metrics.open(append=init_from == "resume")
-    peak_flops, peak_source = (peak_flops, "peak_flops") if peak_flops > 0 else default_peak_flops(device, dtype)
     if wandb_log:
         try:
             import wandb
-        except ImportError:
+        except ImportError:  # before metrics.jsonl is made, which would leave out_dir holding a run of no step
             die("wandb_log=True needs the wandb package: pip install wandb (or leave wandb_log off)")
         wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+    metrics.open(append=init_from == "resume")
+    peak_flops, peak_source = (peak_flops, "peak_flops") if peak_flops > 0 else default_peak_flops(device, dtype)
     n_params = raw_model.num_params()
     print(f"{n_params / 1e6:.2f}M parameters, {n_layer} blocks x {n_loop} loops ({residual}), vocab {vocab_size} "
           f"({meta['tokenizer']}), {tokens_per_iter:,} tokens per step on {world_size} x {device} in {dtype}, "
@@ -379,14 +387,16 @@ while True:
     if eval_due and not (ckpt.step == iter_num and evaluated):
         pending.read()  # a non-finite train loss is named first, before the evaluation it spoils
         losses, accuracy = estimate_loss()
+        if losses is None:  # stopped by a signal: the next pass writes this step, unevaluated, and stops
+            continue
         pending.check(iter_num, {f"{split} loss": losses[split] for split in ("train", "val")})
         best_val_loss = min(best_val_loss, losses["val"])  # travels in the checkpoint for information
         save_checkpoint(evaluated=True)
         if master:
             log_eval(losses, accuracy)
         window_start, window_steps, window_flops = time.perf_counter(), 0, 0  # evaluation time is not in tokens/s, MFU
-        # a signal during the evaluation stops here: ckpt.pt holds this step, and another step would mean another
-        # write within the scheduler's grace period
+        # a signal during the diagnostics or the write stops here: ckpt.pt holds this step, and another step would
+        # mean another write within the scheduler's grace period
         signum, = procs.agree(stop.signum)
         if signum and iter_num < max_iters:
             stop.end(guard.STOPPED, ckpt.stopped(signum, sys.argv, ddp))

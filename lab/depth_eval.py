@@ -17,6 +17,7 @@ import torch
 from configurator import configure, die
 from dataset import EVAL_SEED
 from model import GPT, MAX_LOOPS
+from runtime import check_device
 from lab.tasks import TASKS, best_shortcut, evaluate, evaluate_exit, format_by_k, make_task, run_precision, shortcuts
 
 out_dir = "out-depth"  # the train.py run: reads out_dir/ckpt.pt
@@ -31,6 +32,7 @@ if examples < 0:
     die(f"--examples must be >= 0 (answers shown at each k; 0: none), got {examples}")
 
 try:
+    check_device(device)
     model, checkpoint = GPT.from_checkpoint(f"{out_dir}/ckpt.pt", device)
 except (FileNotFoundError, ValueError) as e:
     die(str(e))

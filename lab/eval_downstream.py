@@ -57,7 +57,7 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from configurator import configure, die
-from runtime import precision, tune_malloc
+from runtime import check_device, precision, tune_malloc
 from dataset import get_tokenizer
 from model import GPT, MAX_LOOPS
 from lab.tasks import require_text
@@ -243,6 +243,7 @@ if __name__ == "__main__":
     if include_path and not os.path.isdir(include_path):
         die(f"--include_path={include_path} is not a folder; point it at a folder of task YAML files")
     try:
+        check_device(device)
         model, checkpoint = GPT.from_checkpoint(os.path.join(out_dir, "ckpt.pt"), device)
         require_text(checkpoint, out_dir)
         dtype, dtype_reason, autocast = precision(device, dtype, model.config.n_embd, model.config.block_size)

@@ -23,6 +23,7 @@ from configurator import configure, die
 from lab import require
 from dataset import EVAL_SEED, TokenWindows
 from model import GPT, MAX_LOOPS
+from runtime import check_device
 from lab.decode import KV_CACHES, exit_logits, new_caches
 from lab.tasks import TASKS, accuracy_by_k, format_by_k, hits_by_k, make_task
 
@@ -60,6 +61,7 @@ if png:  # checked before the evaluation, which can take minutes
         die(f"--png={png}: matplotlib does not write .{suffix} files; name a file ending in one of "
             f"{', '.join(sorted(formats))}")
 try:
+    check_device(device)
     model, checkpoint = GPT.from_checkpoint(f"{out_dir}/ckpt.pt", device)
 except (FileNotFoundError, ValueError) as e:
     die(str(e))

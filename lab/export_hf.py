@@ -24,8 +24,9 @@ core block once per loop: n_loop times the looped model's core.
 The output layer keeps the tokenizer's ids only: the ids that pad the checkpoint's vocabulary (GPT-2's 50257 to
 50304) are no tokens, and would only be scored and sampled. Before it writes anything the script checks its input
 (a checkpoint of this project, a --to that does not exist or is empty, a layout that --gpt2 can hold) and stops with
-one line otherwise. The folder is written aside and renamed into place; then transformers loads it and its logits are
-compared with the checkpoint's (the largest difference is printed, and over 1e-5 is an error that removes it).
+one line otherwise. The folder is written aside, with an empty --to's mode and group, and renamed into place; then
+transformers loads it and its logits are compared with the checkpoint's (the largest difference is printed, and over
+1e-5 is an error that removes it). A failure, Ctrl-C, SIGTERM or SIGHUP meanwhile removes what was written.
 
 --push_to_hub=owner/name uploads the folder with huggingface_hub (HF_TOKEN or `hf auth login`; HF_ENDPOINT for
 another hub). The repository is created first, so that a missing token stops the run before anything is written.
@@ -35,6 +36,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 from dataclasses import asdict
@@ -178,8 +180,9 @@ def write_gpt2(model, folder, loops, n_vocab, eot_id):
 def write_tokenizer(name, folder, block_size):
     """The tokenizer, in transformers' tokenizers format (tokenizer.json): GPT-2's BPE from the vocab files that the
     project's own gpt2 tokenizer reads (also as vocab.json and merges.txt, GPT-2's own files), or the bytes
-    tokenizer: every UTF-8 byte one id (GPT-2's byte-to-character map with no merges), the separator 256. Both split
-    the separator's name in text like any other text, as the project's encode_ordinary does."""
+    tokenizer: every UTF-8 byte one id (GPT-2's byte-to-character map with no merges), the separator 256, which
+    decodes to a blank line as the project's does. Both split the separator's name in text like any other text, as
+    the project's encode_ordinary does."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import GPT2Tokenizer, PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -197,7 +200,9 @@ def write_tokenizer(name, folder, block_size):
         byte_chars = bytes_to_unicode()
         bpe = Tokenizer(models.BPE(vocab={byte_chars[b]: b for b in range(256)}, merges=[]))
         bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        bpe.decoder = decoders.ByteLevel()  # invalid UTF-8 (a cut character) decodes to U+FFFD, as the project's
+        # invalid UTF-8 (a cut character) decodes to U+FFFD, as the project's; Replace sees one token at a time, so
+        # only the separator itself becomes "\n\n" (byte 10 twice), not its name spelt in bytes
+        bpe.decoder = decoders.Sequence([decoders.Replace(EOT, byte_chars[10] * 2), decoders.ByteLevel()])
         tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, **kw)
     tokenizer.save_pretrained(folder)
     if name != "gpt2":  # the class name that transformers 4 knows as well
@@ -310,7 +315,8 @@ def model_card(model, checkpoint, path, loops, gpt2, repo):
                 f"AutoModelForCausalLM.from_pretrained(\"{repo}\", trust_remote_code=True, n_loop=4)  # every call\n"
                 f"```\n\nA model trained at one fixed count is usually worse at others. Generation keeps one KV cache "
                 f"entry per unrolled visit (cached output equals recomputed). The model reads no attention mask: "
-                f"padding may follow a row's tokens, not precede them (generate left-padded prompts one at a time). "
+                f"padding may only end a row, with no token after it: a forward pass takes right-padded rows, and "
+                f"generate() appends tokens after any padding (generate prompts of unequal length one at a time). "
                 f"Greedy decoding and sampling work; beam search does not. vLLM, SGLang and llama.cpp do not serve "
                 f"this model.\n")
     files = ("\n## Files\n\n" + ("`config.json`, `model.safetensors`, `generation_config.json`: GPT-2's own. " if gpt2
@@ -344,30 +350,38 @@ def write(model, checkpoint, path, to, loops, gpt2=False, repo=None):
     n_vocab, eot_id = enc.n_vocab, enc.eot_token
     parent = os.path.dirname(os.path.abspath(to))
     os.makedirs(parent, exist_ok=True)
+    empty_folder = os.stat(to) if os.path.isdir(to) else None  # an empty --to (load checked it)
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(to))}.", dir=parent)
-    was_empty_folder = os.path.isdir(to)
+
+    def like_empty_folder(folder):  # the empty --to's group and mode, set before any file is made in it (setgid)
+        os.chown(folder, -1, empty_folder.st_gid)
+        os.chmod(folder, empty_folder.st_mode & 0o7777)
 
     def remove():  # what this run wrote, and nothing else: an empty --to folder is left as it was
         shutil.rmtree(to, ignore_errors=True)
-        if was_empty_folder:
+        if empty_folder:
             os.mkdir(to)
+            like_empty_folder(to)
     try:
+        if empty_folder:
+            like_empty_folder(staging)
         (write_gpt2 if gpt2 else write_looped)(model, staging, loops, n_vocab, eot_id)
         write_tokenizer(checkpoint["tokenizer"], staging, model.config.block_size)
         with open(os.path.join(staging, "README.md"), "w") as f:
             f.write(model_card(model, checkpoint, path, loops, gpt2, repo or to))
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(staging, 0o777 & ~umask)  # mkdtemp's folder and the weights' files are private to their owner
+        if not empty_folder:
+            os.chmod(staging, 0o777 & ~umask)  # mkdtemp's folder and the weights' files are private to their owner
         for name in os.listdir(staging):
             os.chmod(os.path.join(staging, name), 0o666 & ~umask)
-        if was_empty_folder:
-            os.rmdir(to)  # empty (load checked it)
+        if empty_folder:
+            os.rmdir(to)
         os.rename(staging, to)
-    except BaseException:
+    except BaseException:  # a failed write, Ctrl-C, and SIGTERM or SIGHUP (the script makes them SystemExit)
         shutil.rmtree(staging, ignore_errors=True)
-        if was_empty_folder and not os.path.exists(to):
-            os.mkdir(to)
+        if empty_folder and not os.path.exists(to):
+            remove()
         raise
     generator = torch.Generator().manual_seed(0)
     probe = torch.randint(n_vocab, (2, min(model.config.block_size, 32)), generator=generator)
@@ -431,6 +445,8 @@ def upload(folder, repo_id, message):
 if __name__ == "__main__":
     configure(globals(), sys.argv[1:])
     require("safetensors", "tokenizers", "transformers", "huggingface_hub")
+    for signum in (signal.SIGTERM, signal.SIGHUP):  # as Ctrl-C does: write() removes what it wrote, then the process
+        signal.signal(signum, lambda signum, frame: sys.exit(128 + signum))  # ends with the shell's code for it
     from transformers.utils import logging as transformers_logging
     transformers_logging.disable_progress_bar()  # "Loading weights" of the check, on every export
     if push_to_hub and not re.fullmatch(r"[\w.-]+/[\w.-]+", push_to_hub):

@@ -31,7 +31,8 @@ Each mode runs every combination of its schemes x loops x exponents x learning_r
 the mode's default, MODES below) and writes out_dir/results.md (tables), out_dir/<mode>.png (its plot) and
 out_dir/curves.png (every run's training loss against the floor and the escape line) and one folder per run under
 out_dir/runs/. A run whose folder already holds result.json is not trained again, so an interrupted sweep picks up
-where it stopped, and a sweep with more seeds reuses the runs it has; delete out_dir to start from scratch.
+where it stopped (the run it interrupted starts over: train.py's start_over moves that attempt's files into the run's
+previous-N folder), and a sweep with more seeds reuses the runs it has; delete out_dir to start from scratch.
 
 Escaping the floor. A model that has only learned how often each token occurs scores the unigram entropy of the
 data, measured here from the training split; short Post-LN runs often stall there. A run has *escaped* when its
@@ -262,7 +263,7 @@ def train(scheme, n_loop, exponent, lr, seed, steps=None):
         args = dict(mode_budget, out_dir=run_dir, residual="preln" if untied else residual,
                     residual_exponent=exponent, n_layer=n_layer * n_loop if untied else n_layer,
                     n_loop=1 if untied else n_loop, learning_rate=lr, min_lr=lr / 10, seed=seed, device="cpu",
-                    dtype=run_dtype, compile=False, **variant_settings(scheme))
+                    dtype=run_dtype, compile=False, start_over=True, **variant_settings(scheme))
         args.update(lr_decay_iters=args["max_iters"], eval_interval=args["max_iters"])
         cmd = [sys.executable, "train.py", DEPTH_CONFIG] + [f"--{k}={v}" for k, v in args.items()]
     else:
@@ -272,7 +273,7 @@ def train(scheme, n_loop, exponent, lr, seed, steps=None):
                     warmup_iters=warmup_iters, max_iters=steps, lr_decay_iters=steps,
                     eval_interval=steps if steps < 10_000 else steps // 10,  # a long run's val curve too
                     eval_iters=eval_iters, log_interval=max(1, steps // 25), seed=seed, device="cpu", dtype=run_dtype,
-                    compile=False)
+                    compile=False, start_over=True)
         args.update(variant_settings(scheme))  # a variant may set what every run sets (warmup_iters)
         cmd = [sys.executable, "train.py"] + [f"--{k}={v}" for k, v in args.items()]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")

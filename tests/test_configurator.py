@@ -88,3 +88,20 @@ def test_none_only_where_the_default_is_none(tmp_path, capsys):
         configure(defaults(), [str(cfg)])
     assert e.value.code == 2
     assert capsys.readouterr().err == f"error: config key 'batch_size' in {cfg} must be int (like 12), got NoneType None\n"
+
+
+def test_only_the_lower_case_names_a_script_assigns_are_settings(tmp_path, capsys):
+    """Names a script imports (train.py's EVAL_SEED, the evaluation windows every run shares; sample.py's MAX_LOOPS,
+    which its own check of n_loop reads) and its UPPER_CASE constants are globals too, but no settings."""
+    script = tmp_path / "s.py"
+    script.write_text("from dataset import EVAL_SEED\nTOLERANCE = 1e-5\nn_loop = 2\nout_dir, seed = 'out', 1\n")
+    namespace = {"__file__": str(script), "EVAL_SEED": 1234, "TOLERANCE": 1e-5, "n_loop": 2, "out_dir": "out",
+                 "seed": 1}
+    assert configure(dict(namespace), ["--n_loop=3", "--seed=4", "--out_dir=x"]) == dict(n_loop=3, seed=4,
+                                                                                         out_dir="x")
+    for key in ("EVAL_SEED", "TOLERANCE"):
+        with pytest.raises(SystemExit) as e:
+            configure(dict(namespace), [f"--{key}=5"])
+        assert e.value.code == 2
+        assert capsys.readouterr().err == \
+            f"error: unknown config key '{key}' in --{key}; known keys: n_loop, out_dir, seed\n"

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import signal
+import subprocess
 
 import pytest
 import torch
@@ -139,3 +140,105 @@ def test_the_lock_refuses_a_second_holder_and_names_the_first(tmp_path, capsys):
     finally:
         first.close()
     guard.lock_out_dir(out_dir).close()  # released with the file
+
+
+def one_line_exit(capsys, call, *args):
+    """call(*args) stops the script -> its one line on stderr (after "error: "), exit code 2 checked."""
+    with pytest.raises(SystemExit) as e:
+        call(*args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    return err[len("error: "):-1]
+
+
+def test_an_out_dir_that_is_empty_a_file_or_under_a_file_is_one_line_and_nothing_is_made(tmp_path, capsys):
+    (tmp_path / "file").write_text("mine")
+    assert one_line_exit(capsys, guard.lock_out_dir, "") == \
+        "--out_dir is empty: name the run's folder, e.g. --out_dir=out-smoke"
+    assert one_line_exit(capsys, guard.lock_out_dir, str(tmp_path / "file")) == \
+        f"--out_dir={tmp_path / 'file'} is a file, not a folder: choose another --out_dir"
+    assert one_line_exit(capsys, guard.lock_out_dir, str(tmp_path / "file" / "run")) == \
+        f"cannot write in {tmp_path / 'file' / 'run'} (Not a directory): choose an --out_dir that this process may " \
+        f"create and write"
+    assert sorted(os.listdir(tmp_path)) == ["file"] and (tmp_path / "file").read_text() == "mine"
+
+
+def test_an_out_dir_that_takes_no_new_file_is_one_line_before_the_run_starts(tmp_path, capsys, monkeypatch):
+    """A read-only mount, as root sees one too (chmod stops no root): creating a file fails with EROFS. Here the
+    folder and its lock file exist, so only the checkpoint's temporary file finds it out (mocked: open fails for it)."""
+    out_dir = tmp_path / "run"
+    guard.lock_out_dir(str(out_dir)).close()
+    real_open = open
+
+    def read_only(file, mode="r", *args, **kwargs):
+        if str(file).endswith("ckpt.pt.tmp") and mode[0] in "wax":
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(file))
+        return real_open(file, mode, *args, **kwargs)
+    monkeypatch.setattr(guard, "open", read_only, raising=False)
+    assert one_line_exit(capsys, guard.lock_out_dir, str(out_dir)) == \
+        f"cannot write in {out_dir} (Read-only file system): choose an --out_dir that this process may create and write"
+
+
+def test_an_immutable_out_dir_is_one_line(tmp_path, capsys):
+    """chattr +i: no file may be made in the folder, by root either (where the filesystem and the process allow it)."""
+    out_dir = tmp_path / "immutable"
+    out_dir.mkdir()
+    (out_dir / "train.lock").write_text("")  # a lock file of an earlier run: writable, but nothing new may be made
+    if subprocess.run(["chattr", "+i", str(out_dir)], capture_output=True).returncode:
+        pytest.skip("chattr +i is not allowed here")
+    try:
+        assert one_line_exit(capsys, guard.lock_out_dir, str(out_dir)) == \
+            f"cannot write in {out_dir} (Operation not permitted): choose an --out_dir that this process may create " \
+            f"and write"
+        assert one_line_exit(capsys, guard.lock_out_dir, str(out_dir / "run")) == \
+            f"cannot write in {out_dir / 'run'} (Operation not permitted): choose an --out_dir that this process may " \
+            f"create and write"
+    finally:
+        subprocess.run(["chattr", "-i", str(out_dir)], check=True)
+
+
+def test_a_run_from_scratch_never_overwrites_an_earlier_one_and_start_over_moves_it_aside(tmp_path, capsys):
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    (out_dir / "metrics.jsonl").write_text('{"type": "start", "iter": 0}\n')
+    refused = (f"{out_dir} holds an earlier run (metrics.jsonl), which a run from scratch would overwrite: continue "
+               f"it with --init_from=resume, choose another --out_dir, or set --start_over=True to move its files "
+               f"aside (into {out_dir}/previous-N) and start afresh")
+    assert one_line_exit(capsys, guard.lock_out_dir, str(out_dir)) == refused
+    assert os.listdir(out_dir) == ["metrics.jsonl"]  # not even a lock file was made
+    (out_dir / "ckpt.pt").write_bytes(b"weights")
+    (out_dir / "train.lock").write_text("pid 1 on elsewhere\n")
+    assert one_line_exit(capsys, guard.lock_out_dir, str(out_dir)) == refused.replace("(metrics.jsonl)",
+                                                                                     "(ckpt.pt, metrics.jsonl)")
+    assert (out_dir / "train.lock").read_text() == "pid 1 on elsewhere\n"  # as the earlier run left it
+    guard.lock_out_dir(str(out_dir), start_over=True).close()
+    assert capsys.readouterr().out == f"start_over: moved {out_dir}'s ckpt.pt and metrics.jsonl into " \
+                                      f"{out_dir / 'previous-1'}\n"
+    assert (out_dir / "previous-1" / "ckpt.pt").read_bytes() == b"weights"
+    assert (out_dir / "previous-1" / "metrics.jsonl").read_text() == '{"type": "start", "iter": 0}\n'
+    (out_dir / "metrics.jsonl").write_text("second\n")
+    guard.lock_out_dir(str(out_dir), start_over=True).close()  # the next free number: nothing is replaced
+    assert (out_dir / "previous-2" / "metrics.jsonl").read_text() == "second\n"
+    assert sorted(os.listdir(out_dir)) == ["previous-1", "previous-2", "train.lock"]
+    guard.lock_out_dir(str(out_dir)).close()  # nothing of a run left in out_dir itself: a new run starts there
+
+
+def test_resume_needs_a_checkpoint_and_makes_nothing_without_one(tmp_path, capsys):
+    assert one_line_exit(capsys, guard.lock_out_dir, str(tmp_path / "run"), "resume") == \
+        f"no checkpoint at {tmp_path / 'run' / 'ckpt.pt'} to resume: leave out --init_from=resume to start a run " \
+        f"there, or point --out_dir at the run's folder"
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "ckpt.pt").write_bytes(b"weights")
+    assert one_line_exit(capsys, guard.lock_out_dir, str(tmp_path / "run"), "resume", True) == \
+        "start_over applies to init_from=scratch only: drop one of them"
+    guard.lock_out_dir(str(tmp_path / "run"), "resume").close()
+    assert sorted(os.listdir(tmp_path / "run")) == ["ckpt.pt", "train.lock"]
+
+
+def test_a_failed_first_checkpoint_write_says_to_start_over_not_to_resume():
+    error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert guard.CheckpointFile("out/ckpt.pt").write_failed("out/ckpt.pt", error, 0) == (
+        "writing out/ckpt.pt failed at step 0: No space left on device; this run wrote no checkpoint yet; make room "
+        "(or fix the folder) and run again with --start_over=True (a run from scratch there moves this one's files "
+        "aside)")

@@ -356,6 +356,16 @@ def test_from_checkpoint_raises_with_the_fix_in_the_message(tmp_path):
     torch.save({"a": 1}, path)
     with pytest.raises(ValueError, match="ckpt.pt was not written by this project's train.py"):
         GPT.from_checkpoint(path)
+    torch.save(dict(program="deeploop-train", weights=torch.zeros(10000)), path)
+    with open(path, "rb") as f:
+        whole = f.read()
+    for cut in (len(whole) // 2, len(whole) - 100):  # a copy cut short: torch raises an OSError, a RuntimeError
+        with open(path, "wb") as f:
+            f.write(whole[:cut])
+        with pytest.raises(ValueError, match=r"ckpt.pt is damaged: a checkpoint that does not load whole \(\w+\), cut "
+                                             r"short or corrupted after it was written, e.g. by an interrupted copy; "
+                                             r"copy it again from where it came from$"):
+            GPT.from_checkpoint(path)
 
 
 @pytest.mark.parametrize("name", ["plain", "huginn"])

@@ -168,3 +168,23 @@ def test_random_generator_states_restore_every_generator():
     set_rng_states(states, "cpu")
     again = torch.rand(3), np.random.rand(3), random.random(), random.gauss(0, 1)
     assert torch.equal(first[0], again[0]) and (first[1] == again[1]).all() and first[2:] == again[2:]
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", "gpu", "mps", "meta", "", "cuda:x"])
+def test_a_device_this_machine_lacks_is_named_with_the_ones_it_has(device, monkeypatch):
+    """As on a machine without CUDA or MPS (whatever this one has): one line for every way of naming a device that
+    is not there, where torch fails with an AssertionError, a RuntimeError or not at all (meta: nothing to train on)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(ValueError) as e:
+        runtime.check_device(device)
+    assert str(e.value) == f"--device={device} is not usable here (the devices here: cpu); use one of them"
+
+
+def test_the_devices_this_machine_has_pass(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for device in ("cpu", "cpu:0", "cuda", "cuda:0", "cuda:1"):
+        runtime.check_device(device)
+    with pytest.raises(ValueError, match=r"^--device=cuda:2 is not usable here \(the devices here: cpu, cuda:0, "
+                                         r"cuda:1\); use one of them$"):
+        runtime.check_device("cuda:2")

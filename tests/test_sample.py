@@ -30,6 +30,23 @@ def test_a_loop_count_above_max_loops_is_a_one_line_error(bytes_run):
                              "trained one), got 5000\n")
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--MAX_LOOPS=4096", "--n_loop=2000"], "unknown config key 'MAX_LOOPS' in --MAX_LOOPS; known keys: compile, "),
+    (["--device=cuda:1"], "--device=cuda:1 is not usable here (the devices here: cpu"),
+    (["--device=gpu"], "--device=gpu is not usable here (the devices here: cpu"),
+])
+def test_an_imported_name_or_a_device_this_machine_lacks_is_a_one_line_error(bytes_run, args, message):
+    """sample.py imports model.MAX_LOOPS: not a setting, so its own check of n_loop stands (raised, 2000 passed it
+    and the model's failed in a traceback). A device that is not here fails before the checkpoint is loaded."""
+    if torch.cuda.device_count() > 1 and "--device=cuda:1" in args:
+        pytest.skip("this machine has a second GPU")
+    result = run("sample.py", f"--out_dir={bytes_run}", "--dtype=float32", "--num_samples=1", "--max_new_tokens=1",
+                 *args)
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), result.stderr
+
+
 def sample(out_dir, *args):
     result = run("sample.py", f"--out_dir={out_dir}", "--device=cpu", "--dtype=float32", *args)
     assert result.returncode == 0, result.stderr

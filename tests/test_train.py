@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from dataset import EVAL_SEED, TokenWindows
 from model import GPT, GPTConfig
 from lab.flops import flops_per_token
 from lab.loops import TrainLoops
@@ -258,7 +259,9 @@ def test_two_ddp_processes_equal_one_with_twice_the_accumulation(workdir):
     # gradient_accumulation_steps counts micro-batches over all processes: 4 = 2 processes x 2 = 1 process x 4; with
     # sampled loop counts, which every process and micro-batch of a step must share, and backprop through the last
     # loop only, which leaves the position embedding without a gradient
-    args = ["--gradient_accumulation_steps=4", "--max_iters=3", "--eval_interval=100", *SAMPLED, "--backprop_loops=1"]
+    # eval_iters=3: the second process has one batch fewer to evaluate, and agrees as often as the first
+    args = ["--gradient_accumulation_steps=4", "--max_iters=3", "--eval_interval=100", *SAMPLED, "--backprop_loops=1",
+            "--eval_iters=3"]
     train(workdir, "--out_dir=single", *args)
     train(workdir, "--out_dir=ddp", *args, nproc=2)
     single, ddp = load(workdir / "single"), load(workdir / "ddp")
@@ -358,9 +361,10 @@ def test_chain_settings_on_text_are_a_one_line_error_and_a_loop_input_no_step_re
     train(workdir, f"--out_dir={tmp_path / 'defaults'}", "--max_iters=0", "--chain_hops=6", "--chain_values=8")
     warning = ("warning: loop_input=concat never trains: every step runs one loop, and the input is fed into loops 2 on "
                "(model.LoopInput); use --loop_input=none or more loops")
-    for overrides, warned in [(["--n_loop=1"], True), (["--n_loop=1", *SAMPLED], False),
-                              (["--loop_sampling=uniform", "--loop_min=1", "--loop_max=1"], True)]:
-        result = train(workdir, f"--out_dir={tmp_path / 'unread'}", "--max_iters=1", "--loop_input=concat", *overrides)
+    for i, (overrides, warned) in enumerate([(["--n_loop=1"], True), (["--n_loop=1", *SAMPLED], False),
+                                             (["--loop_sampling=uniform", "--loop_min=1", "--loop_max=1"], True)]):
+        result = train(workdir, f"--out_dir={tmp_path / f'unread{i}'}", "--max_iters=1", "--loop_input=concat",
+                       *overrides)
         assert (warning in result.stderr.splitlines()) == warned, result.stderr
 
 
@@ -385,6 +389,62 @@ def test_missing_dataset_names_the_command_that_prepares_it(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: dataset data/openwebtext not found"), lines
     assert lines[0].endswith("python prepare_data.py openwebtext")
+    assert os.listdir(tmp_path) == []  # no out_dir made, no lock file left
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["--init_from=resume"], "no checkpoint at {out}/ckpt.pt to resume: leave out --init_from=resume to start a run "
+                             "there, or point --out_dir at the run's folder"),
+    (["--device=cuda"], "--device=cuda is not usable here (the devices here: cpu"),
+    (["--device=cuda:1"], "--device=cuda:1 is not usable here (the devices here: cpu"),
+    (["--device=gpu"], "--device=gpu is not usable here (the devices here: cpu"),
+    (["--EVAL_SEED=5"], "unknown config key 'EVAL_SEED' in --EVAL_SEED; known keys: backprop_loops, "),
+    (["--out_dir="], "--out_dir is empty: name the run's folder, e.g. --out_dir=out-smoke"),
+])
+def test_a_start_that_fails_is_one_line_and_leaves_no_out_dir_or_lock(overrides, message, workdir, tmp_path):
+    """Each stops before anything is made: no out_dir (where it is missing), no train.lock in one that exists. A
+    device that is not here failed in a traceback at GPT(...).to(device), leaving train.lock; EVAL_SEED, which
+    train.py imports, changed the evaluation windows that every run on a dataset shares."""
+    if torch.cuda.device_count() > (1 if "--device=cuda:1" in overrides else 0):
+        pytest.skip("this machine has that GPU")
+    for out in (tmp_path / "missing", tmp_path / "empty"):
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        result = train(workdir, f"--out_dir={out}", "--max_iters=1", *overrides, expect_rc=2)
+        lines = result.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: " + message.format(out=out)), result.stderr
+        assert sorted(os.listdir(tmp_path)) == ["empty"] and os.listdir(tmp_path / "empty") == []
+
+
+def test_a_rerun_from_scratch_changes_nothing_and_start_over_moves_the_run_aside(workdir, first_half):
+    """The same command twice, without --init_from=resume, truncated metrics.jsonl at once and replaced ckpt.pt at
+    the first evaluation."""
+    half_dir, _ = first_half
+    out_dir = workdir / "rerun"
+    shutil.copytree(half_dir, out_dir)
+    before = {name: (out_dir / name).read_bytes() for name in ("ckpt.pt", "metrics.jsonl", "train.lock")}
+    result = train(workdir, "--out_dir=rerun", f"--max_iters={HALF}", "--dropout=0.1", expect_rc=2)
+    assert result.stderr == ("error: rerun holds an earlier run (ckpt.pt, metrics.jsonl), which a run from scratch "
+                             "would overwrite: continue it with --init_from=resume, choose another --out_dir, or set "
+                             "--start_over=True to move its files aside (into rerun/previous-N) and start afresh\n")
+    assert {name: (out_dir / name).read_bytes() for name in before} == before and len(os.listdir(out_dir)) == 3
+    result = train(workdir, "--out_dir=rerun", "--max_iters=2", "--dropout=0.1", "--start_over=True")
+    assert "start_over: moved rerun's ckpt.pt and metrics.jsonl into rerun/previous-1" in result.stdout.splitlines()
+    assert {name: (out_dir / "previous-1" / name).read_bytes() for name in ("ckpt.pt", "metrics.jsonl")} == \
+        {name: before[name] for name in ("ckpt.pt", "metrics.jsonl")}
+    assert load(out_dir)["iter_num"] == 2 and [r["iter"] for r in records(out_dir, "train")] == [0, 1]
+
+
+def test_a_damaged_checkpoint_on_resume_says_that_it_is_damaged(workdir, first_half):
+    half_dir, _ = first_half
+    out_dir = workdir / "damaged"
+    shutil.copytree(half_dir, out_dir)
+    whole_file = (out_dir / "ckpt.pt").read_bytes()
+    (out_dir / "ckpt.pt").write_bytes(whole_file[:len(whole_file) // 2])  # a copy cut short
+    result = train(workdir, "--out_dir=damaged", "--init_from=resume", f"--max_iters={2 * HALF}", "--dropout=0.1",
+                   expect_rc=2)
+    assert re.fullmatch(r"error: damaged/ckpt.pt is damaged: a checkpoint that does not load whole \(\w+\), cut short "
+                        r"or corrupted after it was written, e.g. by an interrupted copy; copy it again from where it "
+                        r"came from\n", result.stderr), result.stderr
 
 
 def start(cwd, *overrides, wrapper=(), env=None):
@@ -489,6 +549,56 @@ def test_a_signal_during_an_evaluation_stops_after_its_checkpoint(workdir, first
         f"stopped by SIGTERM: {out_dir.name}/ckpt.pt holds step 8; resume with: python ")
     train(workdir, *args)
     assert_same_run(whole, out_dir)
+
+
+def test_a_signal_during_a_long_evaluation_stops_it_at_once_and_resuming_is_exact(workdir, first_half, whole,
+                                                                                 monkeypatch):
+    """SIGTERM during the evaluation at step 8, made endless (eval_iters=10**9): the evaluation stops at its next
+    batch instead of running to its end (then the diagnostics, then the write), ckpt.pt gets step 8 unevaluated, and
+    the run resumed with the usual eval_iters evaluates step 8 and ends as an uninterrupted one, bit for bit."""
+    half_dir, _ = first_half
+    out_dir = workdir / "eval-cut"
+    shutil.copytree(half_dir, out_dir)
+    marker = workdir / "eval-cut.evaluating"
+    batch = TokenWindows.batch
+
+    def marked(self, index, batch_size):  # the second batch of an evaluation's train split: it is under way
+        if self.seed == EVAL_SEED and index == 1:
+            marker.touch()
+        return batch(self, index, batch_size)
+    monkeypatch.setattr(TokenWindows, "batch", marked)  # in the forked run as well
+    args = [f"--out_dir={out_dir.name}", f"--max_iters={2 * HALF}", "--dropout=0.1", "--init_from=resume"]
+    proc = start(workdir, *args, "--eval_iters=1000000000")
+    monkeypatch.undo()
+    try:
+        wait_for(marker.exists, proc, "the evaluation at step 8")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 75, output(proc)[-3000:]
+    finally:
+        proc.kill()  # if it did not stop
+        proc.wait()
+    assert output(proc).strip().splitlines()[-1].startswith(
+        f"stopped by SIGTERM: {out_dir.name}/ckpt.pt holds step 8; resume with: python ")
+    ckpt = load(out_dir)
+    assert (ckpt["iter_num"], ckpt["evaluated"]) == (8, False)
+    assert max(logged_steps(out_dir)) == 7 and max(logged_steps(out_dir, "eval")) == HALF
+    train(workdir, *args)
+    assert_same_run(whole, out_dir)
+
+
+def test_a_failed_first_checkpoint_write_says_to_start_over(workdir):
+    """A full disk at the evaluation of step 0: nothing to resume; the run that the line proposes then works."""
+    out_dir = workdir / "full-first"
+    proc = start(workdir, f"--out_dir={out_dir.name}", "--max_iters=2",
+                 wrapper=(disk_wrapper(workdir), "full", "ckpt.pt.tmp", "5000"))
+    assert proc.wait(timeout=300) == 2 and "Traceback" not in output(proc)
+    assert output(proc).strip().splitlines()[-1:] == [
+        f"error: writing {out_dir.name}/ckpt.pt failed at step 0: No space left on device; this run wrote no "
+        f"checkpoint yet; make room (or fix the folder) and run again with --start_over=True (a run from scratch "
+        f"there moves this one's files aside)"]
+    assert not (out_dir / "ckpt.pt").exists()
+    train(workdir, f"--out_dir={out_dir.name}", "--max_iters=2", "--start_over=True")
+    assert load(out_dir)["iter_num"] == 2 and (out_dir / "previous-1" / "metrics.jsonl").exists()
 
 
 def test_a_second_run_on_a_held_out_dir_is_refused(workdir):

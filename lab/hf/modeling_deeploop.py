@@ -9,7 +9,8 @@ file): this file only adapts the interface, so that there is one definition of t
 Generation keeps model.py's cache (a list with one KVCache per unrolled visit of a block) inside LoopCache, which
 transformers' generate() hands from step to step; once the context outgrows block_size the window slides and the
 cache is rebuilt from the last block_size tokens, as the project's own generate does. No attention mask is read:
-padding may only follow a row's tokens (right padding), never precede them.
+padding may only end a row, with no token after it (a forward pass of right-padded rows); generate() appends tokens
+after any padding, so prompts of unequal length are generated one at a time.
 """
 
 from torch.nn import functional as F
@@ -104,8 +105,9 @@ class DeepLoopForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(f"the cache holds the visits of {cache.loops} loops, this pass runs {loops}: start a new "
                              f"one (cache=None)")
         if attention_mask is not None and (attention_mask.cummin(dim=-1).values != attention_mask).any():
-            raise ValueError("this model reads no attention mask, so padding must come after a row's tokens (right "
-                             "padding), never before them; generate a left-padded batch one prompt at a time")
+            raise ValueError("this model reads no attention mask, so padding may only end a row, with no token after "
+                             "it: a forward pass takes right-padded rows, but generate() appends its tokens after the "
+                             "padding, so generate prompts of unequal length one at a time")
         if use_cache and cache is None:
             cache = LoopCache(self.gpt, loops)
         logits = logits_of(self.gpt, input_ids, loops, cache.entries if cache is not None else None,

@@ -54,6 +54,12 @@ def test_a_loop_count_out_of_range_is_a_one_line_error(loops, depth_run):
     assert r.stderr == f"error: loop counts must be from 1 to 1024 (model.MAX_LOOPS), got {loops!r}\n"
 
 
+def test_a_device_this_machine_lacks_is_a_one_line_error(depth_run):
+    r = run("lab/depth_eval.py", "--out_dir=run", "--device=gpu", cwd=depth_run)
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1
+    assert r.stderr.startswith("error: --device=gpu is not usable here (the devices here: cpu"), r.stderr
+
+
 def trained_line(stdout):
     return next(line for line in stdout.splitlines() if " loops (trained): " in line).split(": ")[1]
 

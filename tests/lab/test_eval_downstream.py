@@ -243,6 +243,15 @@ def test_missing_checkpoint_is_a_one_line_error(tmp_path, monkeypatch, capsys):
     assert line.startswith(f"error: no checkpoint at {tmp_path / 'nothing' / 'ckpt.pt'}")
 
 
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", "gpu"])
+def test_a_device_this_machine_lacks_is_a_one_line_error(trained, device, monkeypatch, capsys):
+    """As on a machine without a GPU (whatever this one has): CUDA's was an AssertionError's traceback."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    out_dir, _ = trained
+    line = one_line_error(*run_script([f"--out_dir={out_dir}", f"--device={device}"], monkeypatch, capsys))
+    assert line == f"error: --device={device} is not usable here (the devices here: cpu); use one of them"
+
+
 def test_offline_without_task_data_is_one_line_and_writes_nothing(trained, monkeypatch, capsys):
     out_dir, _ = trained
     before = sorted(os.listdir(out_dir))

@@ -58,6 +58,9 @@ def test_bad_settings_are_one_line_errors(tmp_path):
         assert r.stderr.startswith("error: need loops from 1 to 1024 (model.MAX_LOOPS), exit_thresholds >= 0 "
                                    "(0 = off), max_loops from 0 (the largest of loops) to 1024 and cached_batches "
                                    ">= 0, got ")
+    r = run_script("lab/exit_eval.py", "--out_dir=run", "--device=gpu", cwd=tmp_path)
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1
+    assert r.stderr.startswith("error: --device=gpu is not usable here (the devices here: cpu"), r.stderr
     r = run_script("lab/exit_eval.py", "--out_dir=run", "--loops=two", cwd=tmp_path)
     assert r.stderr == ("error: loops must be comma-separated ints and exit_thresholds numbers, got 'two' and "
                         "'1e-3,1e-2,1e-1'\n")

@@ -6,7 +6,9 @@ and bad input as one line."""
 import importlib
 import json
 import os
+import signal
 import socket
+import time
 from dataclasses import asdict
 
 import pytest
@@ -18,7 +20,7 @@ from dataset import get_tokenizer
 from hub_server import CurrentStderr, Hub
 from model import GPT, GPTConfig, RESIDUALS
 from models import learned_by_heart
-from scripts import ROOT, run_script
+from scripts import ROOT, Started, run_script
 
 SENTENCE = "a quick brown fox jumps over lazy dogs."  # what the trained fixture model knows by heart
 BYTES = get_tokenizer("bytes")
@@ -145,10 +147,18 @@ def test_loss_is_the_projects_over_the_tokenizers_ids_and_bad_inputs_are_refused
         expected = F.cross_entropy(logits[..., :257].flatten(0, 1), targets.flatten(), ignore_index=-1)
         loss = hf_model(idx, labels=labels).loss
     assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
-    with pytest.raises(ValueError, match="padding must come after a row's tokens"):
+    rule = ("this model reads no attention mask, so padding may only end a row, with no token after it: a forward "
+            "pass takes right-padded rows, but generate() appends its tokens after the padding, so generate prompts "
+            "of unequal length one at a time")
+    with pytest.raises(ValueError) as e:
         hf_model(idx, attention_mask=torch.tensor([[0] * 4 + [1] * 12, [1] * 16]))
+    assert str(e.value) == rule
     right_padded = hf_model(idx, attention_mask=torch.tensor([[1] * 12 + [0] * 4, [1] * 16])).logits
     assert torch.equal(right_padded, hf_model(idx).logits)  # causal: padding after a row changes nothing before it
+    with pytest.raises(ValueError) as e:  # the padding that the error asked for, and generate's first new token
+        hf_model.generate(idx[:, :8], attention_mask=torch.tensor([[1] * 6 + [0] * 2, [1] * 8]), max_new_tokens=2,
+                          do_sample=False)
+    assert str(e.value) == rule
     cache = hf_model(idx[:, :4], use_cache=True).cache
     with pytest.raises(ValueError, match="the cache holds the visits of 2 loops, this pass runs 3"):
         hf_model(idx[:, 4:5], cache=cache, use_cache=True, n_loop=3)
@@ -203,6 +213,9 @@ def test_byte_tokenizer_gives_the_projects_ids_and_round_trips_any_text(tmp_path
         assert tokenizer.decode(ids) == text
     assert (len(tokenizer), tokenizer.eos_token_id, tokenizer.model_max_length) == (257, 256, 48)
     assert tokenizer.decode(BYTES.encode_ordinary("日")[:2]) == "\ufffd"  # a cut character, as the project decodes it
+    # the separator decodes as the project's does (a blank line), its name spelt in text as that text
+    ids = [*BYTES.encode_ordinary("one"), 256, *BYTES.encode_ordinary("two <|endoftext|>"), 256]
+    assert tokenizer.decode(ids) == BYTES.decode(ids) == "one\n\ntwo <|endoftext|>\n\n"
 
 
 def test_gpt2_tokenizer_gives_the_projects_ids(tmp_path):
@@ -265,8 +278,12 @@ def test_script_writes_a_complete_folder_with_a_model_card(trained, exported, tm
                   "val loss 1.2345 nats per byte at step 300", "trust_remote_code=True, n_loop=4",
                   "| `vocab_size` | `257` (the checkpoint's 320, padded) |", "vLLM, SGLang and llama.cpp do not serve"):
         assert words in card, words
-    # an empty folder is taken; --n_loop sets the loops of a forward pass, not the coefficients
+    # an empty folder is taken, with its mode and group (a setgid folder of a group's share: its files get that group);
+    # --n_loop sets the loops of a forward pass, not the coefficients
     (tmp_path / "empty").mkdir()
+    group = 4242 if os.geteuid() == 0 else os.getegid()  # root may give a folder any group, others their own
+    os.chown(tmp_path / "empty", -1, group)
+    os.chmod(tmp_path / "empty", 0o2750)
     r = run_script(SCRIPT, f"--out_dir={trained[0]}/ckpt.pt", f"--to={tmp_path / 'empty'}", "--n_loop=3")
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert r.stdout.startswith(f"{tmp_path / 'empty'}: {trained[0]}/ckpt.pt (step 300, 1 blocks x 2 loops trained)")
@@ -276,6 +293,47 @@ def test_script_writes_a_complete_folder_with_a_model_card(trained, exported, tm
     idx = torch.tensor([BYTES.encode_ordinary(SENTENCE)])
     assert logits_difference(deeper, model, idx, n_loop=3) == 0
     assert "| `n_loop` | `3` (trained at 2) |" in (tmp_path / "empty" / "README.md").read_text()
+    folder = os.stat(tmp_path / "empty")
+    assert (folder.st_mode & 0o7777, folder.st_gid) == (0o2750, group)
+    assert {os.stat(tmp_path / "empty" / name).st_gid for name in os.listdir(tmp_path / "empty")} == {group}
+    assert sorted(os.listdir(tmp_path)) == ["empty"]  # nothing left aside
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("to_exists", [False, True])
+def test_a_signal_while_writing_leaves_nothing_aside_and_an_empty_folder_as_it_was(trained, tmp_path, monkeypatch,
+                                                                                   signum, to_exists):
+    """SIGTERM or SIGHUP while the weights are written (made endless) ends the export like Ctrl-C: the hidden
+    staging folder is removed, and an empty --to stays, with its mode; the exit code is the shell's for the signal."""
+    import safetensors.torch
+    out_dir, _ = trained
+    to, marker = tmp_path / "to", tmp_path / "writing"
+    if to_exists:
+        to.mkdir()
+        os.chmod(to, 0o2750)
+
+    def endless(*args, **kwargs):
+        marker.touch()
+        time.sleep(600)
+    monkeypatch.setattr(safetensors.torch, "save_file", endless)  # in the forked export too
+    with open(tmp_path / "log", "w+") as log:
+        proc = Started(SCRIPT, f"--out_dir={out_dir}", f"--to={to}", cwd=ROOT, log=log)
+        monkeypatch.undo()
+        try:
+            deadline = time.monotonic() + 120
+            while not marker.exists():
+                assert proc.poll() is None and time.monotonic() < deadline, log.read()
+                time.sleep(0.01)
+            proc.send_signal(signum)
+            assert proc.wait(timeout=60) == 128 + signum
+        finally:
+            proc.kill()  # if it did not stop
+            proc.wait()
+        log.seek(0)
+        assert "Traceback" not in log.read()
+    assert sorted(os.listdir(tmp_path)) == (["log", "to", "writing"] if to_exists else ["log", "writing"])
+    if to_exists:
+        assert os.listdir(to) == [] and os.stat(to).st_mode & 0o7777 == 0o2750
 
 
 def one_line_error(r, quiet=True):

@@ -361,6 +361,15 @@ def test_a_tiny_real_sweep_records_kappa_and_resumes(early):
     r = sweep(*args)  # finished runs are not trained again, and the sweep keeps their precision
     assert r.returncode == 0 and " s)\n" not in r.stdout
     assert f"dtype {dtype} for every run: the precision of the runs in {out}" in r.stdout
+    # a run the sweep interrupted (its folder holds a checkpoint, no result.json) is trained again from the start,
+    # the attempt's files kept aside by train.py's start_over
+    run_dir = out / "runs" / "preln_R1_p0_lr0.001_seed0"
+    (run_dir / "result.json").unlink()
+    attempt = {name: (run_dir / name).read_bytes() for name in ("ckpt.pt", "metrics.jsonl")}
+    r = sweep(*args)
+    assert r.returncode == 0 and r.stdout.count(" s)\n") == 1, r.stderr
+    assert json.loads((run_dir / "result.json").read_text())["val_loss"] == preln["val_loss"]
+    assert {name: (run_dir / "previous-1" / name).read_bytes() for name in attempt} == attempt
     other = "bfloat16" if dtype == "float32" else "float32"
     r = sweep(*args, f"--dtype={other}", "--loops=1,2,3")
     assert r.returncode == 2 and r.stderr == f"error: {out} holds runs in {dtype}; a sweep keeps one precision: " \
