@@ -26,10 +26,12 @@ from lab.vllm_model import register, servable
 def checked_arguments(argv):
     """vLLM's api_server's arguments for argv (`vllm serve`'s), once lab.vllm_model.servable has passed the folder
     with argv's --hf-overrides; raises ValueError."""
+    if not argv or argv[0].startswith("-"):
+        raise ValueError("name the folder to serve first: python -m lab.serve hf-smoke [options of vllm serve]")
+    folder, rest = argv[0], argv[1:]
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("folder", nargs="?")
     parser.add_argument("--hf-overrides", "--hf_overrides", default="{}")
-    known, _ = parser.parse_known_args(argv)
+    known, _ = parser.parse_known_args(rest)
     try:
         overrides = json.loads(known.hf_overrides)
     except ValueError:
@@ -37,12 +39,8 @@ def checked_arguments(argv):
     if not isinstance(overrides, dict):
         raise ValueError(f"--hf-overrides takes a JSON object, e.g. --hf-overrides '{{\"n_loop\": 4}}', got "
                          f"{known.hf_overrides!r}")
-    if not known.folder or known.folder.startswith("-"):
-        raise ValueError("name the folder to serve first: python -m lab.serve hf-smoke [options of vllm serve]")
-    servable(known.folder, overrides)
-    rest = argv[:]
-    rest.remove(known.folder)
-    return ["--model", known.folder, *rest, *([] if "--trust-remote-code" in rest else ["--trust-remote-code"])]
+    servable(folder, overrides)
+    return ["--model", folder, *rest, *([] if "--trust-remote-code" in rest else ["--trust-remote-code"])]
 
 
 if __name__ == "__main__":
