@@ -189,7 +189,12 @@ class Rotary(nn.Module):
 
     def forward(self, x, start):
         """x (B, n_head, T, d) at positions start.. start + T, rotated in float32 and returned in x's dtype."""
-        cos, sin = self.cos[start:start + x.size(2)], self.sin[start:start + x.size(2)]
+        return self.rotate(x, self.cos[start:start + x.size(2)], self.sin[start:start + x.size(2)])
+
+    @staticmethod
+    def rotate(x, cos, sin):
+        """x (..., T, d) turned by the angles whose cosines and sines are cos and sin (T, d/2); a server that packs
+        the tokens of many sequences into one pass picks each token's row by its own position."""
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 

@@ -317,8 +317,8 @@ def model_card(model, checkpoint, path, loops, gpt2, repo):
                 f"entry per unrolled visit (cached output equals recomputed). The model reads no attention mask: "
                 f"padding may only end a row, with no token after it: a forward pass takes right-padded rows, and "
                 f"generate() appends tokens after any padding (generate prompts of unequal length one at a time). "
-                f"Greedy decoding and sampling work; beam search does not. vLLM, SGLang and llama.cpp do not serve "
-                f"this model.\n")
+                f"Greedy decoding and sampling work; beam search does not. vLLM serves it with the DeepLoop project's "
+                f"`python -m lab.serve` (its own vLLM model); SGLang and llama.cpp do not serve it.\n")
     files = ("\n## Files\n\n" + ("`config.json`, `model.safetensors`, `generation_config.json`: GPT-2's own. " if gpt2
              else "`config.json` (every setting, and `auto_map`), `model.safetensors` (the token embedding is the "
                   "output layer; it holds the tokenizer's ids only), `model.py` (the model), "

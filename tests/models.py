@@ -39,11 +39,12 @@ def perturbed(model, scale=0.05):
     return model.eval()
 
 
-def learned_by_heart(ids, block_size):
-    """A looped GPT (1 block x 2 loops, bytes) trained on the token ids (a list) until it predicts each from the ones
-    before it: a model whose right answers a test knows."""
+def learned_by_heart(ids, block_size, **settings):
+    """A looped GPT (1 block x 2 loops, bytes; settings: other GPTConfig fields) trained on the token ids (a list)
+    until it predicts each from the ones before it: a model whose right answers a test knows."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=block_size, vocab_size=320, n_layer=1, n_loop=2, n_head=2, n_embd=32))
+    model = GPT(GPTConfig(**{**dict(block_size=block_size, vocab_size=320, n_layer=1, n_loop=2, n_head=2, n_embd=32),
+                             **settings}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     ids = torch.tensor(ids)[None]
     for _ in range(300):

