@@ -173,7 +173,8 @@ def number_list(name, kind):
     try:
         return [kind(v) for v in text.split(",")]
     except ValueError:
-        die(f"{name} must be comma-separated {kind.__name__}s like {MODES[grid_name][name]}, got {text!r}")
+        die(f"{name} must be comma-separated {kind.__name__}s like {MODES['loops'].get(name, MODES[grid_name][name])}, "
+            f"got {text!r}")
 
 
 def split_scheme(scheme):
