@@ -389,8 +389,8 @@ def test_depth_task_runs_are_tested_in_their_precision_measured_at_their_shapes(
 
 @pytest.mark.parametrize("args,message", [
     (["--loops=1,two"], "loops must be comma-separated ints like 1,3,5,7, got '1,two'"),
-    (["--mode=width"], "unknown mode 'width'; use --mode=exponent, --mode=lr, --mode=loops, --mode=transfer or "
-                       "--mode=depth"),
+    (["--mode=width"], "unknown mode 'width'; use --mode=exponent, --mode=lr, --mode=loops, --mode=transfer, "
+                       "--mode=depth or --mode=budget"),
     (["--schemes=rival"], "unknown scheme 'rival' in --schemes; use deeploop, deepnorm, postln, preln, "
                           "preln_scaled"),
     (["--mode=loops", "--schemes=untied"],
