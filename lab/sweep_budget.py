@@ -73,6 +73,11 @@ def report(results, best, cfg):
         """mean ± std over the seeds both have of a - b"""
         return mean_std([a[seed] - b[seed] for seed in sorted(set(a) & set(b))])
 
+    def seed_gains(s, steps):
+        """{seed: loss at R = 1 minus loss at R = 3} of s at a budget, over the seeds it has at both"""
+        one, three = losses(s, 1, steps), losses(s, 3, steps)
+        return {seed: one[seed] - three[seed] for seed in set(one) & set(three)}
+
     def baseline(s):
         block = s.partition("+")[2]
         return "preln+" + block if block and "preln+" + block in cfg["schemes"] else "preln"
@@ -166,13 +171,7 @@ def report(results, best, cfg):
               "| scheme | " + " | ".join(f"{b:,} steps" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
     for s in gains:
         if s != baseline(s) and baseline(s) in gains:
-            cells = []
-            for b in budgets:
-                mine = {seed: losses(s, 1, b)[seed] - losses(s, 3, b)[seed]
-                        for seed in set(losses(s, 1, b)) & set(losses(s, 3, b))}
-                theirs = {seed: losses(baseline(s), 1, b)[seed] - losses(baseline(s), 3, b)[seed]
-                          for seed in set(losses(baseline(s), 1, b)) & set(losses(baseline(s), 3, b))}
-                cells.append(fmt(paired(mine, theirs)))
+            cells = [fmt(paired(seed_gains(s, b), seed_gains(baseline(s), b))) for b in budgets]
             lines.append(f"| {s} | " + " | ".join(cells) + " |")
 
     # the rate check beyond full_grid_until: the chosen rate against its neighbours, one seed
