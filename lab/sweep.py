@@ -14,7 +14,8 @@ The budget mode trains on data/stdlib_bytes (31M bytes of the standard library's
 so its longest budget of 43,000 steps of 8 x 64 bytes, ten passes of builtin_bytes, still sees no byte twice). It
 runs in stages, all from that one command: every scheme at every rate and seed at the first budget; then each scheme
 at its best rate there at each longer budget (every scheme and seed up to full_grid_until steps, long_schemes with
-long_seeds beyond); then the longer budgets' rates checked against the grid's neighbour on each side (one seed). The
+long_seeds beyond); then the long schemes' rates checked at the longest budget against the grid's neighbour on
+each side (one seed). The
 longest runs go first. `--report_only=True` writes the tables and the plot of the runs finished so far, so a study
 that a session cannot finish is read as far as it got and resumed with the same command; lab/sweep_budget.py holds
 its tables and plot.
@@ -434,8 +435,8 @@ if mode == "budget":
             wide = steps <= full_grid_until
             plan += [(s, r, "best", seed, steps) for s in group if wide or s in long_list for r in loop_list
                      for seed in (seed_list if wide else long_seed_list)]
-    plan += [(s, r, side, long_seed_list[0], steps) for steps in budget_list[1:] if steps > full_grid_until
-             for s in long_list for r in loop_list for side in ("lower", "higher")]
+    plan += [(s, r, side, long_seed_list[0], budget_list[-1]) for s in long_list for r in loop_list
+             for side in ("lower", "higher")] if len(budget_list) > 1 else []
     results = {}
     print(f"budget study: {len(plan)} runs planned, {workers} at a time, into {out_dir}/runs", flush=True)
     if report_only:

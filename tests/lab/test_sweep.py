@@ -488,7 +488,7 @@ def test_budget_mode_reports_the_gap_to_preln_its_trend_and_the_gain_from_loops(
     assert "| deeploop | +0.150 ± 0.000 (2) | +0.150 ± 0.000 (2) | +0.150 ± 0.000 (1) | +0.000 |" in gain
     assert "| deeploop | +0.100 ± 0.000 (2) | +0.100 ± 0.000 (2) | +0.100 ± 0.000 (1) |" in table.split(
         "against Pre-LN's on the same block")[1]
-    # the rate checks at 1,000 steps (beyond full_grid_until) are planned at the grid's neighbours, not run yet
+    # the rate checks at the longest budget, 1,000 steps, are planned at the grid's neighbours, not run yet
     assert "| preln | 1 | 1,000 | not run yet | 2.0000 (lr 0.003) | not run yet |" in table
     assert (out / "budget.png").stat().st_size > 20000
     # one check run arrives: it is read, and the lowest of the three is marked
