@@ -47,7 +47,7 @@ from runtime import autocast_context, choose_dtype, default_peak_flops, synchron
 from configurator import configure, die
 from model import GPT, GPTConfig
 from lab.decode import KV_CACHES, exit_logits, generate_stream, new_caches
-from lab.flops import decode_step_bytes, flops_per_token
+from lab.flops import decode_step_bytes, flops_per_token, read_bandwidth
 
 # model
 n_layer = 2
@@ -276,27 +276,11 @@ def compare_caches_lines(model, ctx, prompt):
     return lines
 
 
-def read_bandwidth():
-    """Bytes per second that this process reads from memory: the fastest of a few sums and vector-matrix products
-    over 256 MiB of float32, 8x the largest L3 cache of the CPUs here, so that every repeat reads from memory."""
-    data = torch.ones(2**26, device=device)
-    vector = torch.ones(256, device=device)
-    best = math.inf
-    for _ in range(5):
-        for read in (data.sum, lambda: vector @ data.view(256, -1)):
-            synchronize(device)
-            t0 = time.perf_counter()
-            read()
-            synchronize(device)
-            best = min(best, time.perf_counter() - t0)
-    return data.numel() * data.element_size() / best
-
-
 def bench_generation(model, optimizer, ctx, dtype):
     """Generation's rows of a trained model."""
     optimizer.state.clear()  # frees the AdamW moments before generation
     model.eval()
-    bandwidth = read_bandwidth()
+    bandwidth = read_bandwidth(device)
     print(f"memory: reads {bandwidth / 1e9:.1f} GB/s (best of sums and vector-matrix products over 256 MiB)")
     for sequences in sorted({1, batch_size}):
         prompt = torch.randint(vocab_size, (sequences, gen_prompt_len), device=device)

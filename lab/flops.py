@@ -1,10 +1,16 @@
 """
 What a looped GPT costs: training FLOPs per token (the yardstick of MFU in train.py and bench) and the bytes a cached
-decode step must read (the floor of bench's decode speed). Counted over the unrolled visits: a loop costs its blocks'
-compute again although it stores no new weights.
+decode step must read, with the memory bandwidth that makes them a time (the floor of the benches' decode speed).
+Counted over the unrolled visits: a loop costs its blocks' compute again although it stores no new weights.
 """
 
+import math
+import time
+
+import torch
+
 from model import GPT
+from runtime import synchronize
 
 
 def matrix_params(modules):
@@ -53,3 +59,19 @@ def decode_step_bytes(model: GPT, sequences, past, element_size, n_loop=None):
     weights = sum(p.numel() for m in (t.prelude, t.h, t.coda, t.inject) if m is not None for p in m.parameters())
     weights += model.lm_head.weight.numel()
     return weights * element_size + kv_cache_bytes(model, sequences, past, element_size, n_loop)
+
+
+def read_bandwidth(device):
+    """Bytes per second that this process reads from memory: the fastest of a few sums and vector-matrix products
+    over 256 MiB of float32, 8x the largest L3 cache of the CPUs here, so that every repeat reads from memory."""
+    data = torch.ones(2**26, device=device)
+    vector = torch.ones(256, device=device)
+    best = math.inf
+    for _ in range(5):
+        for read in (data.sum, lambda: vector @ data.view(256, -1)):
+            synchronize(device)
+            t0 = time.perf_counter()
+            read()
+            synchronize(device)
+            best = min(best, time.perf_counter() - t0)
+    return data.numel() * data.element_size() / best
