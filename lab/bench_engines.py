@@ -112,7 +112,8 @@ def transformers_engine(folder):
     def generate(prompts, tokens, greedy=False):
         sampling = dict(do_sample=False) if greedy else dict(do_sample=True, top_k=top_k, top_p=1.0, temperature=1.0)
         with torch.no_grad():
-            out = hf.generate(torch.tensor(prompts), max_new_tokens=tokens, min_new_tokens=tokens,
+            ids = torch.tensor(prompts)
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
                               pad_token_id=hf.config.eos_token_id, **sampling)
         return out[:, len(prompts[0]):].tolist()
     return generate
@@ -120,6 +121,7 @@ def transformers_engine(folder):
 
 def vllm_engine(folder, most):
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the bench's figures
     from lab.vllm_model import register
     register()
     from vllm import LLM, SamplingParams
@@ -178,7 +180,7 @@ if __name__ == "__main__":
                 f"({cfg.block_size})")
         cpu = cpu_name()
         print(f"model: {path or 'the bench model, random weights'}: {cfg.n_layer} blocks x {cfg.n_loop} loops "
-              f"({cfg.residual}), n_embd {cfg.n_embd}, {n_vocab} tokens, {model.get_num_params() / 1e6:.2f}M "
+              f"({cfg.residual}), n_embd {cfg.n_embd}, {n_vocab} tokens, {model.num_params() / 1e6:.2f}M "
               f"parameters; float32 on {cpu}, {torch.get_num_threads()} threads, load average "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
         bandwidth = read_bandwidth("cpu")
@@ -205,7 +207,7 @@ if __name__ == "__main__":
             cells = {n: best_call(generate, prompts[:n], gen_tokens) for n in counts}
             step = (cells[1] - one) / (gen_tokens - 1) if 1 in cells else None
             rows.append((name, cells, step))
-            print(f"{name}: started in {started[name]:.1f} s; " + ", ".join(
+            print(f"{name}: started in {started[name]:.1f} s, {torch.get_num_threads()} threads; " + ", ".join(
                 f"{n} x {gen_tokens} tokens in {s:.2f} s ({n * gen_tokens / s:.0f} tokens/s)" for n, s in cells.items())
                 + (f"; decode step {step * 1e3:.2f} ms, {step / floor:.1f}x the floor" if step else ""), flush=True)
         print()

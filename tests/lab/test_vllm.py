@@ -1,9 +1,9 @@
 """lab/vllm_model.py and lab/serve.py: vLLM serving exported folders. Greedy completions equal sample.py's
 (--top_k=1) token for token in float32, for four layouts at the trained loop count and at another, also when many
-prompts share a step, their prefill is chunked and their prefix is cached; lm-eval's vllm backend scores as
-lab.eval_downstream does; vLLM's own OpenAI server (lab.serve) gives
-the same over HTTP, serves concurrent requests as it serves each alone and refuses a prompt longer than the context;
-bad input is one line. Skipped where vLLM is not installed (requirements-serve.txt)."""
+prompts share a step, their prefill is chunked and their prefix is cached, and under n-gram speculative decoding;
+lm-eval's vllm backend scores as lab.eval_downstream does; vLLM's own OpenAI server (lab.serve) gives the same over
+HTTP, serves concurrent requests as it serves each alone and refuses a prompt longer than the context; bad input is
+one line. Skipped where vLLM is not installed (requirements-serve.txt)."""
 
 import concurrent.futures
 import gc
@@ -177,6 +177,31 @@ def test_greedy_completions_equal_sample_py_token_for_token(exports, server, lay
         assert BYTES.decode(list(ids)) == sample_py(out_dir, prompt, n, loops), prompt
     if loops == 2:  # the trained count: the model knows the sentence
         assert BYTES.decode(list(alone[0])) == SENTENCE[len("a quick "):][:PROMPTS[0][1]]
+
+
+def test_ngram_speculative_decoding_gives_the_greedy_tokens(exports):
+    """vLLM's n-gram speculation (draft tokens looked up in the prompt, checked by one pass of the looped model) on a
+    prompt that repeats the sentence: drafts are accepted, and the tokens are the greedy ones of GPT.generate."""
+    from vllm import SamplingParams
+    register()
+    out_dir, folder = exports["deeploop"]
+    prompt = SENTENCE + " a quick"  # 48 tokens, and 16 new ones fill the context
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in IN_PROCESS.items():
+            mp.setenv(key, value)
+        llm = vllm.LLM(model=folder, hf_overrides=dict(n_loop=2), **dict(ENGINE, enable_chunked_prefill=False,
+                                                                         max_num_batched_tokens=BLOCK_SIZE),
+                       speculative_config=dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=4,
+                                               prompt_lookup_min=2))
+    try:
+        ids = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0].token_ids
+        accepted = sum(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_accepted_tokens")
+    finally:
+        del llm
+        gc.collect()
+    assert list(ids) == greedy_ids(out_dir, prompt, 16, 2)
+    assert accepted > 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
