@@ -208,7 +208,7 @@ if __name__ == "__main__":
             step = (cells[1] - one) / (gen_tokens - 1) if 1 in cells else None
             rows.append((name, cells, step))
             print(f"{name}: started in {started[name]:.1f} s, {torch.get_num_threads()} threads; " + ", ".join(
-                f"{n} x {gen_tokens} tokens in {s:.2f} s ({n * gen_tokens / s:.0f} tokens/s)" for n, s in cells.items())
+                f"{n} x {gen_tokens} tokens in {s:.3g} s ({n * gen_tokens / s:.0f} tokens/s)" for n, s in cells.items())
                 + (f"; decode step {step * 1e3:.2f} ms, {step / floor:.1f}x the floor" if step else ""), flush=True)
         print()
         print("| engine | " + " | ".join(f"{n} seq, tokens/s" for n in counts) + " | decode step (1 seq) | x floor |")
