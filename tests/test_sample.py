@@ -47,6 +47,14 @@ def test_an_imported_name_or_a_device_this_machine_lacks_is_a_one_line_error(byt
     assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), result.stderr
 
 
+def test_auto_precision_on_a_cpu_samples_in_float32(bytes_run):
+    """Whatever a CPU's training measurement would pick: a generation step is a matrix-vector product per sequence."""
+    result = run("sample.py", f"--out_dir={bytes_run}", "--device=cpu", "--num_samples=1", "--max_new_tokens=2")
+    assert result.returncode == 0, result.stderr
+    assert ", dtype float32 (auto on a CPU: a generation step reads every weight, which bfloat16 would cast each " \
+           "step)" in result.stderr
+
+
 def sample(out_dir, *args):
     result = run("sample.py", f"--out_dir={out_dir}", "--device=cpu", "--dtype=float32", *args)
     assert result.returncode == 0, result.stderr
