@@ -199,8 +199,8 @@ if __name__ == "__main__":
             started[name] = time.perf_counter() - t0
         greedy = {name: generate(prompts[:1], 16, greedy=True)[0] for name, generate in engines_of.items()}
         agree = all(ids == greedy[names[0]] for ids in greedy.values())
-        print(f"greedy, 16 tokens of one prompt: {'the same tokens from ' + ', '.join(names) if agree else 'differ: ' + str(greedy)}",
-              flush=True)
+        verdict = f"the same tokens from {', '.join(names)}" if agree else f"differ: {greedy}"
+        print(f"greedy, 16 tokens of one prompt: {verdict}", flush=True)
         rows = []
         for name, generate in engines_of.items():
             one = best_call(generate, prompts[:1], 1)
