@@ -39,7 +39,7 @@ exit_threshold = 0.0
 kv_cache = "per_visit"  # the cache layout: per_visit, an entry per unrolled visit (exact); last_loop, one per block
 seed = 1337
 device = "cuda" if torch.cuda.is_available() else "cpu"  # or cpu, cuda:1, mps
-dtype = "auto"  # auto: float32 on a CPU (see below), else the fastest on the device (runtime); or float32, bfloat16, float16
+dtype = "auto"  # auto: float32 on a CPU (see below), else the fastest on the device; or float32, bfloat16, float16
 compile = False  # torch.compile the model; pays off only for long samples
 configure(globals(), sys.argv[1:])
 tune_malloc()  # before the first large allocation (runtime.tune_malloc)
