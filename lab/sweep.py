@@ -17,8 +17,9 @@ at its best rate there at each longer budget (every scheme and seed up to full_g
 long_seeds beyond); then the long schemes' rates checked at the longest budget against the grid's neighbour on
 each side (one seed). The
 longest runs go first. `--report_only=True` writes the tables and the plot of the runs finished so far, so a study
-that a session cannot finish is read as far as it got and resumed with the same command; lab/sweep_budget.py holds
-its tables and plot.
+that a session cannot finish is read as far as it got and resumed with the same command; the report's runs.jsonl
+(every run's result) goes on elsewhere with `--results_from=` that file. lab/sweep_budget.py holds its tables and
+plot.
 
 The depth mode is apart from the other three: its runs train config/depth_cpu.py on a smaller budget (BUDGETS;
 the settings of the model and the budget given to sweep.py, in a config file or on the command line, override
@@ -82,6 +83,8 @@ full_grid_until = 4300    # budget mode: budgets up to this many steps (one pass
 long_schemes = ""
 long_seeds = ""
 report_only = False       # budget mode: tables and plot of the runs finished so far, training nothing
+results_from = ""         # budget mode: a runs.jsonl that a study wrote (docs/runs/budget_study_runs.jsonl): its runs
+#                           count as done here, so that a study goes on on another machine
 workers = 2               # runs at the same time, one CPU thread each (2 single-threaded runs beat 1 two-threaded)
 escape_margin = 0.1       # nats below the unigram floor that count as having escaped it
 learned_accuracy = 0.9    # depth mode: a run has learned the task when its val accuracy at k = 1 is at least this
@@ -152,6 +155,9 @@ PAPER_ESCAPED = {0.30: 0, 0.35: 1, 0.40: 2, 0.45: 2, 0.50: 3, 0.55: 5, 0.60: 5}
 if mode not in MODES:
     die(f"unknown mode {mode!r}; use --mode=exponent, --mode=lr, --mode=loops, --mode=transfer, --mode=depth or "
         f"--mode=budget")
+if results_from and mode != "budget":
+    die(f"results_from applies to --mode=budget, whose study goes on across machines; --mode={mode} resumes from "
+        f"its own out_dir")
 if report_only and mode != "budget":
     die(f"report_only applies to --mode=budget, whose study a session may not finish; --mode={mode} tables its "
         f"runs when they are done")
@@ -391,6 +397,22 @@ if mode == "budget":
     from lab.sweep_budget import neighbours, report
 
     budget_list = number_list("budgets", int)
+    if results_from:
+        try:
+            with open(results_from) as f:
+                imported = [json.loads(line) for line in f if line.strip()]
+        except (OSError, ValueError) as e:
+            die(f"--results_from={results_from} is not a readable runs.jsonl ({type(e).__name__}): name the file a "
+                f"budget study wrote, e.g. docs/runs/budget_study_runs.jsonl")
+        taken = 0
+        for run in imported:
+            path = os.path.join(out_dir, "runs", run["name"], "result.json")
+            if not os.path.isfile(path):  # a run of this machine's is kept
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "w") as f:
+                    json.dump(run, f)
+                taken += 1
+        print(f"{results_from}: {taken} of its {len(imported)} runs taken as done", flush=True)
     long_list, long_seed_list = str(long_schemes or MODES[grid_name]["long_schemes"]).split(","), number_list(
         "long_seeds", int)
     if budget_list != sorted(set(budget_list)) or budget_list[0] < 1:

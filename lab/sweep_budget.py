@@ -12,6 +12,7 @@ budgets says nothing certain about a budget thousands of times larger; the table
 far the paper's budget lies from where the trend points.
 """
 
+import json
 import math
 import os
 
@@ -205,6 +206,10 @@ def report(results, best, cfg):
     table = "\n".join(lines)
     with open(os.path.join(cfg["out_dir"], "results.md"), "w") as f:
         f.write(table + "\n")
+    # every run's result without its training curve, the file --results_from takes
+    with open(os.path.join(cfg["out_dir"], "runs.jsonl"), "w") as f:
+        for run in sorted(results.values(), key=lambda run: run["name"]):
+            f.write(json.dumps({k: v for k, v in run.items() if k != "curve"}) + "\n")
     print(table)
     plot(results, best, cfg, losses, gaps, gains, lines_of, tokens, pairs)
 

@@ -495,6 +495,19 @@ def test_budget_mode_reports_the_gap_to_preln_its_trend_and_the_gain_from_loops(
     write_budget_runs(out, {("preln", 1, 9e-3, 0, 1000): 1.95})
     r = sweep(*BUDGET_ARGS, f"--out_dir={out}", "--report_only=True")
     assert "| preln | 1 | 1,000 | not run yet | 2.0000 (lr 0.003) | **1.9500** (lr 0.009) |" in r.stdout
+    # the study goes on elsewhere from its runs.jsonl: the same tables, and a run of that machine's own is kept
+    runs_file = out / "runs.jsonl"
+    assert len(runs_file.read_text().splitlines()) == len(runs) + 1
+    elsewhere = tmp_path / "elsewhere"
+    write_budget_runs(elsewhere, {("preln", 1, 3e-3, 0, 1000): 1.9})
+    r = sweep(*BUDGET_ARGS, f"--out_dir={elsewhere}", f"--results_from={runs_file}", "--report_only=True")
+    assert r.returncode == 0, r.stderr
+    assert f"{runs_file}: {len(runs)} of its {len(runs) + 1} runs taken as done" in r.stdout
+    assert "| preln | 1 | 1,000 | not run yet | **1.9000** (lr 0.003) | 1.9500 (lr 0.009) |" in r.stdout
+    bad = sweep(*BUDGET_ARGS, f"--out_dir={elsewhere}", f"--results_from={tmp_path / 'none.jsonl'}")
+    assert (bad.returncode, bad.stderr) == (2, f"error: --results_from={tmp_path / 'none.jsonl'} is not a readable "
+                                               f"runs.jsonl (FileNotFoundError): name the file a budget study wrote, "
+                                               f"e.g. docs/runs/budget_study_runs.jsonl\n")
 
 
 def test_budget_mode_trains_its_plan_in_order_and_resumes(tmp_path):
