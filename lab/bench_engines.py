@@ -55,6 +55,7 @@ seed = 1337
 configure(globals(), sys.argv[1:])
 
 ENGINES = ("vllm", "project", "transformers")
+GREEDY_TOKENS = 16  # the check that the engines agree before they are timed
 
 
 def parsed_settings():
@@ -175,19 +176,18 @@ if __name__ == "__main__":
         except (ValueError, FileNotFoundError) as e:
             die(str(e))
         cfg = model.config
-        if prompt_len + gen_tokens > cfg.block_size:
-            die(f"--prompt_len + --gen_tokens ({prompt_len + gen_tokens}) must fit in the model's context "
+        if prompt_len + max(gen_tokens, GREEDY_TOKENS) > cfg.block_size:
+            die(f"--prompt_len + --gen_tokens (at least {GREEDY_TOKENS}) must fit in the model's context "
                 f"({cfg.block_size})")
-        cpu = cpu_name()
         print(f"model: {path or 'the bench model, random weights'}: {cfg.n_layer} blocks x {cfg.n_loop} loops "
               f"({cfg.residual}), n_embd {cfg.n_embd}, {n_vocab} tokens, {model.num_params() / 1e6:.2f}M "
-              f"parameters; float32 on {cpu}, {torch.get_num_threads()} threads, load average "
+              f"parameters; float32 on {cpu_name()}, {torch.get_num_threads()} threads, load average "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
         bandwidth = read_bandwidth("cpu")
-        floor = decode_step_bytes(model, 1, prompt_len + gen_tokens / 2, 4) / bandwidth
+        step_bytes = decode_step_bytes(model, 1, prompt_len + gen_tokens / 2, 4)
+        floor = step_bytes / bandwidth
         print(f"memory: reads {bandwidth / 1e9:.1f} GB/s; a cached decode step of one sequence reads "
-              f"{decode_step_bytes(model, 1, prompt_len + gen_tokens / 2, 4) / 1e6:.3g} MB: floor "
-              f"{floor * 1e3:.3g} ms", flush=True)
+              f"{step_bytes / 1e6:.3g} MB: floor {floor * 1e3:.3g} ms", flush=True)
         generator = torch.Generator().manual_seed(seed)
         prompts = torch.randint(n_vocab, (max(counts), prompt_len), generator=generator).tolist()
         started, engines_of = {}, {}
@@ -197,10 +197,10 @@ if __name__ == "__main__":
                                 project_engine(model, n_vocab) if name == "project" else
                                 transformers_engine(os.path.join(tmp, "hf")))
             started[name] = time.perf_counter() - t0
-        greedy = {name: generate(prompts[:1], 16, greedy=True)[0] for name, generate in engines_of.items()}
+        greedy = {name: generate(prompts[:1], GREEDY_TOKENS, greedy=True)[0] for name, generate in engines_of.items()}
         agree = all(ids == greedy[names[0]] for ids in greedy.values())
         verdict = f"the same tokens from {', '.join(names)}" if agree else f"differ: {greedy}"
-        print(f"greedy, 16 tokens of one prompt: {verdict}", flush=True)
+        print(f"greedy, {GREEDY_TOKENS} tokens of one prompt: {verdict}", flush=True)
         rows = []
         for name, generate in engines_of.items():
             one = best_call(generate, prompts[:1], 1)
