@@ -171,7 +171,8 @@ if __name__ == "__main__":
         die(str(e))
     with tempfile.TemporaryDirectory(prefix="bench_engines.") as tmp:
         try:
-            path = out_dir and (out_dir if os.path.isfile(out_dir) else os.path.join(out_dir, "ckpt.pt"))
+            from lab.export_hf import checkpoint_path
+            path = out_dir and checkpoint_path(out_dir)
             model, n_vocab = exported(path or bench_checkpoint(tmp), os.path.join(tmp, "hf"))
         except (ValueError, FileNotFoundError) as e:
             die(str(e))
