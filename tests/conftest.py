@@ -53,7 +53,10 @@ def _early_commands(item):
 
 
 def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: _early_commands(item) is not None)  # stable: the tests that wait for a run go last
+    # stable: the tests that wait for a run go last, and after them those of a module that leaves this process changed
+    # for good (LEAVES_THE_PROCESS_CHANGED: vLLM's engine run here), so that nothing runs after them
+    items.sort(key=lambda item: (getattr(item.module, "LEAVES_THE_PROCESS_CHANGED", False),
+                                 _early_commands(item) is not None))
 
 
 def pytest_collection_finish(session):

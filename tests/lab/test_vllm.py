@@ -47,6 +47,11 @@ ENGINE = dict(dtype="float32", max_model_len=BLOCK_SIZE, enforce_eager=True, tru
 # vLLM in this process (engine and worker alike): an engine starts in seconds, not the half minute of three
 # processes that each import vLLM; its threads are not pinned to a core
 IN_PROCESS = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
+# What an engine leaves behind here is not undone: this file's tests end with torch at 2 threads (and its
+# set_num_threads replaced by a no-op), LD_PRELOAD and vLLM's variables set, numba loaded. A test after them saw
+# logits differ in the last bits, and a train.py forked from this process hung before its first step (OpenMP's
+# threads do not survive a fork). conftest.py runs these tests after all others.
+LEAVES_THE_PROCESS_CHANGED = True
 
 
 @pytest.fixture(scope="module")
