@@ -372,7 +372,9 @@ def test_from_checkpoint_raises_with_the_fix_in_the_message(tmp_path):
 def test_checkpoints_written_before_the_lab_split_compute_what_they_computed_then(name):
     """tests/fixtures: two checkpoints of train.py from before the model was split into the lesson and the lab, and
     the outputs that model computed from them: the logits at three loop counts, and greedy samples of 40 tokens that
-    run past block_size 32 (the window slides). Today's model computes them bit for bit."""
+    run past block_size 32 (the window slides). Today's model computes the same greedy tokens, and the same logits
+    within float32 rounding: bit for bit on the CPU that wrote them, up to 7e-9 (of 0.33) on a Zen 3, whose kernels
+    sum in another order."""
     expected = torch.load(os.path.join(FIXTURES, "outputs_before_lab.pt"), weights_only=True)[name]
     model, _ = GPT.from_checkpoint(os.path.join(FIXTURES, f"ckpt_{name}_before_lab.pt"))
     model.eval()
@@ -380,7 +382,8 @@ def test_checkpoints_written_before_the_lab_split_compute_what_they_computed_the
     assert len(expected["logits"]) == 3 and len(expected["greedy"]) == 2
     with torch.no_grad():
         for n_loop, logits in expected["logits"].items():
-            assert torch.equal(model(idx, n_loop=n_loop)[0], logits), n_loop
+            torch.testing.assert_close(model(idx, n_loop=n_loop)[0], logits, rtol=0, atol=1e-6,
+                                       msg=lambda m: f"n_loop={n_loop}: {m}")
     for n_loop, greedy in expected["greedy"].items():
         assert torch.equal(model.generate(idx[:1, :5], 40, top_k=1, n_loop=n_loop), greedy), n_loop
 
