@@ -253,6 +253,8 @@ def plot(results, best, cfg, losses, gaps, gains, lines_of, tokens, pairs):
         ax.axhline(0, color="black", lw=0.8)
         ax.set(xscale="log", xlabel="training tokens", ylabel="nats", title=title)
         ax.legend(fontsize=6)
+    for ax in axes:  # a log axis that spans less than a decade labels its minor ticks, and they overlap
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     fig.tight_layout()
     path = os.path.join(cfg["out_dir"], "budget.png")
     fig.savefig(path, dpi=110)
