@@ -82,6 +82,8 @@ full_grid_until = 4300    # budget mode: budgets up to this many steps (one pass
 #                           scheme and seed; the longer ones run long_schemes with long_seeds
 long_schemes = ""
 long_seeds = ""
+long_rate = 0.0           # budget mode: the long schemes' rate past full_grid_until in place of the grid's, where a rate
+#                           check at a longer budget than the grid's found a neighbour better (0: the grid's)
 report_only = False       # budget mode: tables and plot of the runs finished so far, training nothing
 results_from = ""         # budget mode: a runs.jsonl that a study wrote (docs/runs/budget_study_runs.jsonl): its runs
 #                           count as done here, so that a study goes on on another machine
@@ -422,6 +424,9 @@ if mode == "budget":
         die(f"long_schemes must be among --schemes={','.join(scheme_list)}; got {','.join(long_list)}")
     if "preln" not in scheme_list:
         die("the budget mode measures every scheme against preln: keep preln in --schemes")
+    if long_rate and long_rate not in lr_list:
+        die(f"long_rate must be one of --learning_rates={','.join(f'{lr:g}' for lr in lr_list)}, so that its rate "
+            f"check has the grid's neighbours; got {long_rate:g}")
 
 
     def best_rate(s, r):
@@ -435,13 +440,17 @@ if mode == "budget":
         means = {lr: sum(v) / len(v) for lr, v in means.items() if None not in v}
         return min(means, key=means.get) if means else None
 
+    def rate_at(s, r, steps):
+        """The rate (s, r) trains at at a budget: long_rate past full_grid_until for a long scheme, else the grid's."""
+        return long_rate if long_rate and s in long_list and steps > full_grid_until else best_rate(s, r)
+
     def resolve(job):
         """A planned run (scheme, R, rate, seed, steps), its rate "best", "lower" or "higher" (the neighbours) until
         the scheme's grid is done, -> the job train() takes, or None while its rate is not known."""
         s, r, rate, seed, steps = job
         if not isinstance(rate, str):
             return s, r, 0.0, rate, seed, steps
-        lr = best_rate(s, r)
+        lr = rate_at(s, r, steps)
         if lr is None:
             return None
         return s, r, 0.0, {"best": lr, "lower": neighbours(lr, lr_list)[0],
@@ -457,8 +466,9 @@ if mode == "budget":
             wide = steps <= full_grid_until
             plan += [(s, r, "best", seed, steps) for s in group if wide or s in long_list for r in loop_list
                      for seed in (seed_list if wide else long_seed_list)]
-    plan += [(s, r, side, long_seed_list[0], budget_list[-1]) for s in long_list for r in loop_list
-             for side in ("lower", "higher")] if len(budget_list) > 1 else []
+    # the higher side first: at R = 1 it is the grid's own rate when long_rate moved it down
+    plan += [(s, r, side, long_seed_list[0], budget_list[-1]) for side in ("higher", "lower") for s in long_list
+             for r in loop_list] if len(budget_list) > 1 else []
     results = {}
     print(f"budget study: {len(plan)} runs planned, {workers} at a time, into {out_dir}/runs", flush=True)
     if report_only:
