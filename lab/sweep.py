@@ -14,9 +14,9 @@ The budget mode trains on data/stdlib_bytes (31M bytes of the standard library's
 so its longest budget of 43,000 steps of 8 x 64 bytes, ten passes of builtin_bytes, still sees no byte twice). It
 runs in stages, all from that one command: every scheme at every rate and seed at the first budget; then each scheme
 at its best rate there at each longer budget (every scheme and seed up to full_grid_until steps, long_schemes with
-long_seeds beyond); then the long schemes' rates checked at the longest budget against the grid's neighbour on
-each side (one seed). The
-longest runs go first. `--report_only=True` writes the tables and the plot of the runs finished so far, so a study
+long_seeds beyond, at long_rate if given: the rate a check at a longer budget found better); then the long
+schemes' rates checked at the longest budget against the grid's neighbour on each side (one seed). The longest runs
+go first. `--report_only=True` writes the tables and the plot of the runs finished so far, so a study
 that a session cannot finish is read as far as it got and resumed with the same command; the report's runs.jsonl
 (every run's result) goes on elsewhere with `--results_from=` that file. lab/sweep_budget.py holds its tables and
 plot.
@@ -501,6 +501,7 @@ if mode == "budget":
     best = {(s, r): best_rate(s, r) for s in scheme_list for r in loop_list if best_rate(s, r) is not None}
     report(results, best, dict(out_dir=out_dir, schemes=scheme_list, loops=loop_list, rates=lr_list,
                                seeds=seed_list, budgets=budget_list, long_schemes=long_list, long_seeds=long_seed_list,
+                               long_rate=long_rate,
                                full_grid_until=full_grid_until, floor=floor, unit=unit, dataset=dataset,
                                meta=meta, tokens_per_step=batch_size * block_size, n_layer=n_layer, n_embd=n_embd,
                                warmup_iters=warmup_iters, dtype=run_dtype, workers=workers,

@@ -60,9 +60,14 @@ def report(results, best, cfg):
     budgets, loops, seeds = cfg["budgets"], cfg["loops"], cfg["seeds"]
     tokens = {steps: steps * cfg["tokens_per_step"] for steps in budgets}
 
+    def rate(s, r, steps):
+        """The rate (s, r) trained at at a budget: cfg's long_rate past full_grid_until for a long scheme"""
+        long = cfg.get("long_rate") and s in cfg["long_schemes"] and steps > cfg["full_grid_until"]
+        return cfg["long_rate"] if long else best.get((s, r))
+
     def losses(s, r, steps, lr=None):
-        """{seed: final val loss} of (s, r) at its best rate (or lr) and budget; diverged runs left out"""
-        lr = best.get((s, r)) if lr is None else lr
+        """{seed: final val loss} of (s, r) at its rate (or lr) at a budget; diverged runs left out"""
+        lr = rate(s, r, steps) if lr is None else lr
         out = {}
         for seed in seeds:
             run = results.get((s, r, 0.0, lr, seed, steps))
@@ -95,7 +100,8 @@ def report(results, best, cfg):
              f"({', '.join(f'{tokens[b] / 1e6:.2f}M' for b in budgets)} tokens); no run repeats a byte "
              f"(the longest reads {tokens[budgets[-1]] / meta['tokens']['train']:.0%} of the training split). "
              f"Every scheme and seed ({','.join(map(str, seeds))}) up to {cfg['full_grid_until']:,} steps; beyond, "
-             f"{', '.join(cfg['long_schemes'])} with seeds {','.join(map(str, cfg['long_seeds']))}. Cells: mean ± std "
+             f"{', '.join(cfg['long_schemes'])} with seeds {','.join(map(str, cfg['long_seeds']))}"
+             + (f" at lr {cfg['long_rate']:g}" if cfg.get("long_rate") else "") + ". Cells: mean ± std "
              f"(seeds). Unigram floor {cfg['floor']:.4f}.", ""]
     if cfg["report_only"]:
         lines += [f"Report of the runs finished so far ({len(results)}); cells without runs are —.", ""]
@@ -123,7 +129,9 @@ def report(results, best, cfg):
               "|---|---|---|" + "---|" * len(budgets)]
     for s, r in pairs:
         cells = [fmt_loss(mean_std(list(losses(s, r, b).values()))) for b in budgets]
-        lines.append(f"| {s} | {r} | {best[s, r]:g} | " + " | ".join(cells) + " |")
+        moved = rate(s, r, budgets[-1]) != best[s, r]
+        lr_text = f"{best[s, r]:g}" + (f"; {cfg['long_rate']:g} past {cfg['full_grid_until']:,}" if moved else "")
+        lines.append(f"| {s} | {r} | {lr_text} | " + " | ".join(cells) + " |")
 
     # the gap to Pre-LN at R = 1 (and at R = 3), with its trend
     gaps, gains = {}, {}
@@ -183,7 +191,8 @@ def report(results, best, cfg):
                       f"**lowest**):", "", "| scheme | R | steps | lower rate | chosen rate | higher rate |",
                   "|---|---|---|---|---|---|"]
         for s, r, b in checked:
-            rates = [neighbours(best[s, r], cfg["rates"])[0], best[s, r], neighbours(best[s, r], cfg["rates"])[1]]
+            chosen = rate(s, r, b)
+            rates = [neighbours(chosen, cfg["rates"])[0], chosen, neighbours(chosen, cfg["rates"])[1]]
             got = [results.get((s, r, 0.0, lr, seed, b)) for lr in rates]
             values = [run["val_loss"] if run else None for run in got]
             low = min((v for v in values if v is not None), default=None)

@@ -491,6 +491,12 @@ def test_budget_mode_reports_the_gap_to_preln_its_trend_and_the_gain_from_loops(
     # the rate checks at the longest budget, 1,000 steps, are planned at the grid's neighbours, not run yet
     assert "| preln | 1 | 1,000 | not run yet | 2.0000 (lr 0.003) | not run yet |" in table
     assert (out / "budget.png").stat().st_size > 20000
+    # long_rate moves the long schemes' rate past full_grid_until: 1,000 steps read 1e-3, its check 3e-3 above it
+    r = sweep(*BUDGET_ARGS, f"--out_dir={out}", "--report_only=True", "--long_rate=1e-3")
+    assert r.returncode == 0, r.stderr
+    assert "| preln | 1 | 0.003; 0.001 past 100 | 3.0100 ± 0.0141 (2) | 2.5100 ± 0.0141 (2) | — |" in r.stdout
+    assert "| preln | 1 | 1,000 | not run yet | not run yet | 2.0000 (lr 0.003) |" in r.stdout
+    r = sweep(*BUDGET_ARGS, f"--out_dir={out}", "--report_only=True")
     # one check run arrives: it is read, and the lowest of the three is marked
     write_budget_runs(out, {("preln", 1, 9e-3, 0, 1000): 1.95})
     r = sweep(*BUDGET_ARGS, f"--out_dir={out}", "--report_only=True")
@@ -523,7 +529,8 @@ def test_budget_mode_trains_its_plan_in_order_and_resumes(tmp_path):
     best = float(trained[2].split("_lr")[1].split("_")[0])
     assert trained[:2] == ["preln_R1_p0_lr0.001_seed0_it2", "preln_R1_p0_lr0.003_seed0_it2"]
     assert best in (1e-3, 3e-3) and trained[2] == f"preln_R1_p0_lr{best:g}_seed0_it3"
-    around = ["0.000333", "0.003"] if best == 1e-3 else ["0.001", "0.009"]  # the grid's spacing beyond its edge
+    around = ["0.003", "0.000333"] if best == 1e-3 else ["0.009", "0.001"]  # higher side first; past the grid's edge,
+    #                                                                             its spacing
     assert trained[3:] == [f"preln_R1_p0_lr{lr}_seed0_it3" for lr in around]
     meta = json.loads((out / "runs" / trained[2] / "result.json").read_text())
     assert meta["steps"] == 3 and meta["dtype"] == "float32" and meta["val_curve"][-1][0] == 3
@@ -536,6 +543,8 @@ def test_budget_mode_trains_its_plan_in_order_and_resumes(tmp_path):
                            "400,1350,4300,13500,43000; got 100,10"),
     (["--long_schemes=postln", "--schemes=preln,deeploop"], "long_schemes must be among --schemes=preln,deeploop; "
                                                              "got postln"),
+    (["--long_rate=5e-3"], "long_rate must be one of --learning_rates=0.0003,0.001,0.003,0.01, so that its rate "
+                           "check has the grid's neighbours; got 0.005"),
     (["--schemes=deeploop", "--long_schemes=deeploop"], "the budget mode measures every scheme against preln: keep "
                                                         "preln in --schemes"),
 ])
