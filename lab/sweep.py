@@ -396,7 +396,7 @@ if mode == "budget" and "dtype" not in given:
 run_dtype, dtype_reason = sweep_dtype()
 print(f"dtype {run_dtype} for every run: {dtype_reason}")
 if mode == "budget":
-    from lab.sweep_budget import neighbours, report
+    from lab.sweep_budget import neighbours, rate_at, report
 
     budget_list = number_list("budgets", int)
     if results_from:
@@ -440,17 +440,14 @@ if mode == "budget":
         means = {lr: sum(v) / len(v) for lr, v in means.items() if None not in v}
         return min(means, key=means.get) if means else None
 
-    def rate_at(s, r, steps):
-        """The rate (s, r) trains at at a budget: long_rate past full_grid_until for a long scheme, else the grid's."""
-        return long_rate if long_rate and s in long_list and steps > full_grid_until else best_rate(s, r)
-
     def resolve(job):
         """A planned run (scheme, R, rate, seed, steps), its rate "best", "lower" or "higher" (the neighbours) until
         the scheme's grid is done, -> the job train() takes, or None while its rate is not known."""
         s, r, rate, seed, steps = job
         if not isinstance(rate, str):
             return s, r, 0.0, rate, seed, steps
-        lr = rate_at(s, r, steps)
+        lr = rate_at(best_rate(s, r), s, steps, dict(long_rate=long_rate, long_schemes=long_list,
+                                                     full_grid_until=full_grid_until))
         if lr is None:
             return None
         return s, r, 0.0, {"best": lr, "lower": neighbours(lr, lr_list)[0],

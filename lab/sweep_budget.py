@@ -31,6 +31,13 @@ def neighbours(lr, rates):
     return [float(f"{below:.3g}"), float(f"{above:.3g}")]
 
 
+def rate_at(grid_rate, scheme, steps, cfg):
+    """The rate a scheme trains at at a budget: cfg's long_rate past full_grid_until for a long scheme, else the
+    grid's."""
+    long = cfg["long_rate"] and scheme in cfg["long_schemes"] and steps > cfg["full_grid_until"]
+    return cfg["long_rate"] if long else grid_rate
+
+
 def mean_std(values):
     if not values:
         return None
@@ -61,9 +68,7 @@ def report(results, best, cfg):
     tokens = {steps: steps * cfg["tokens_per_step"] for steps in budgets}
 
     def rate(s, r, steps):
-        """The rate (s, r) trained at at a budget: cfg's long_rate past full_grid_until for a long scheme"""
-        long = cfg.get("long_rate") and s in cfg["long_schemes"] and steps > cfg["full_grid_until"]
-        return cfg["long_rate"] if long else best.get((s, r))
+        return rate_at(best.get((s, r)), s, steps, cfg)
 
     def losses(s, r, steps, lr=None):
         """{seed: final val loss} of (s, r) at its rate (or lr) at a budget; diverged runs left out"""
@@ -101,7 +106,7 @@ def report(results, best, cfg):
              f"(the longest reads {tokens[budgets[-1]] / meta['tokens']['train']:.0%} of the training split). "
              f"Every scheme and seed ({','.join(map(str, seeds))}) up to {cfg['full_grid_until']:,} steps; beyond, "
              f"{', '.join(cfg['long_schemes'])} with seeds {','.join(map(str, cfg['long_seeds']))}"
-             + (f" at lr {cfg['long_rate']:g}" if cfg.get("long_rate") else "") + ". Cells: mean ± std "
+             + (f" at lr {cfg['long_rate']:g}" if cfg["long_rate"] else "") + ". Cells: mean ± std "
              f"(seeds). Unigram floor {cfg['floor']:.4f}.", ""]
     if cfg["report_only"]:
         lines += [f"Report of the runs finished so far ({len(results)}); cells without runs are —.", ""]
