@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
-from torch.func import functional_call
 
 RESIDUALS = ("deeploop", "deepnorm", "postln", "preln", "preln_scaled")
 PRE_LN = ("preln", "preln_scaled")  # GPT-2's block x = x + f(Norm(x)); the other schemes are Post-LN
@@ -53,7 +52,7 @@ def residual_coefficients(residual, unrolled_depth, exponent=0.0):
     Why 1/2: DeepNorm bounds how far one optimizer step moves the output of an untied network, where each of the N
     branches gets and applies its own update. A looped block is visited n_loop times; its one update sums the
     gradients of all its visits, and every visit reads it back. When the visits' gradients align (kappa_R near R,
-    GPT.loop_diagnostics) the output's change grows like the square of the visit count instead of linearly, and
+    lab/probes.py measures it) the output's change grows like the square of the visit count instead of linearly, and
     keeping it bounded takes alpha and 1/beta growing like N^(1/2). At n_loop = 1 nothing is revisited and the rule
     is a more conservative DeepNorm.
     """
@@ -428,36 +427,6 @@ class GPT(nn.Module):
                 idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat((idx, idx_next), dim=1)
             yield idx_next
-
-    def loop_diagnostics(self, idx, targets):
-        """kappa_R, the paper's visit-alignment coefficient, on one batch, and what it is made of:
-            kappa[b]          ||sum_r g_r||^2 / sum_r ||g_r||^2 over the gradients g_r that visit r gives core block b
-            grad_norm[b][r]   ||g_r||
-            residual_rms[v]   RMS of the stream after unrolled core visit v
-            streams[v]        the stream itself ([0]: the core's input), for the lab's probes
-        kappa is 1 when the visits' gradients are orthogonal (decorrelated: DeepNorm's 1/4 suffices) and R when they
-        all point the same way (the aligned regime DeepLoop's 1/2 is built for); below 1, visits partly cancel. It is
-        exactly 1 at n_loop = 1, and near 1 when one visit's gradient dwarfs the others (grad_norm tells which).
-        Each visit runs its block with a leaf copy of the block's parameters (sharing storage), so autograd hands back
-        every g_r; their sum is the block's real gradient."""
-        L, R, no_cache = self.config.n_layer, self.config.n_loop, itertools.repeat(None)
-        e = self.embed(idx, 0, no_cache)
-        x, visit_params, streams = None, [], [e.detach()]
-        for _ in range(R):
-            x = self.loop_input(x, e)
-            for block in self.transformer.h:
-                params = {name: p.detach().requires_grad_() for name, p in block.named_parameters()}
-                x = functional_call(block, params, (x,))
-                visit_params.append(list(params.values()))
-                streams.append(x.detach())
-        grads = torch.autograd.grad(self.loss(self.readout(x, no_cache), targets), sum(visit_params, []))
-        n = len(visit_params[0])
-        g = torch.stack([torch.cat([t.flatten() for t in grads[v * n:(v + 1) * n]]) for v in range(L * R)])
-        g = g.view(R, L, -1)  # g[r, b]: what visit r gives block b
-        squares = g.pow(2).sum(-1)
-        return dict(kappa=(g.sum(0).pow(2).sum(-1) / squares.sum(0).clamp_min(1e-30)).tolist(),
-                    grad_norm=squares.sqrt().T.tolist(), streams=streams,
-                    residual_rms=[s.pow(2).mean().sqrt().item() for s in streams[1:]])
 
     def compile_blocks(self, **options):
         """torch.compile every block and the loss in place (options as torch.compile's). Compiling forward whole

@@ -20,11 +20,11 @@ alpha and beta scale), the blocks, or the whole model; then on that batch:
     *_lin, *_miss    RMS of the first-order prediction (the Jacobian-vector product along the step), and of the real
                      change minus it
     kappa            kappa_R of the step's gradient per block, ||sum_r g_r||^2 / sum_r ||g_r||^2 as
-                     GPT.loop_diagnostics defines it (1: the visits decorrelated, R: aligned)
+                     lab.probes.visit_diagnostics defines it (1: the visits decorrelated, R: aligned)
 mode=train. train.py's AdamW, clipping and learning-rate schedule on the depth task (config/depth_cpu.py's model and
 batches; the same init, batches and losses as train.py), and after every step the RMS change of the logits on a fixed
 val batch: DeepNet's figure of the model update over the first steps; kappa_R and the token probe after the last
-visit (GPT.loop_diagnostics) every kappa_interval steps.
+visit (lab.probes.visit_diagnostics) every kappa_interval steps.
 
 Prints markdown tables; json_out gets every record, png a figure. Results: docs/model_update.md. The functions above
 the script part raise ValueError with a message that names the fix; the script prints it as one line.

@@ -1,10 +1,13 @@
 """
 What the residual stream still holds after each visit of the looped core: linear probes of each position's input
-token and of its position, beside the model's own loop diagnostics (kappa_R, per-visit gradient norms, the stream's
-RMS). train.py records loop_diagnostics at every evaluation; lab/plot.py draws them.
+token and of its position, beside the loops' own diagnostics (visit_diagnostics: kappa_R, per-visit gradient norms,
+the stream's RMS). train.py records loop_diagnostics at every evaluation; lab/plot.py draws them.
 """
 
+import itertools
+
 import torch
+from torch.func import functional_call
 
 
 def linear_probe(features, labels, fit, floor=1e-3):
@@ -33,7 +36,7 @@ def linear_probe(features, labels, fit, floor=1e-3):
 
 def stream_probes(streams, idx):
     """(token_probe, position_probe): linear_probe of each position's input token and of its index from each stream
-    (B, T, C) of GPT.loop_diagnostics ([0]: the core's input), fit on the first half of the batch's sequences and
+    (B, T, C) of visit_diagnostics ([0]: the core's input), fit on the first half of the batch's sequences and
     scored on the other half. The position is what a pointer to a cell must find. Raises ValueError for a batch of
     one sequence, which has no second half."""
     B, T = idx.shape
@@ -46,10 +49,41 @@ def stream_probes(streams, idx):
                  for labels in (idx.reshape(-1), positions))
 
 
+def visit_diagnostics(model, idx, targets):
+    """kappa_R, the paper's visit-alignment coefficient, on one batch, and what it is made of:
+        kappa[b]          ||sum_r g_r||^2 / sum_r ||g_r||^2 over the gradients g_r that visit r gives core block b
+        grad_norm[b][r]   ||g_r||
+        residual_rms[v]   RMS of the stream after unrolled core visit v
+        streams[v]        the stream itself ([0]: the core's input), for the lab's probes
+    kappa is 1 when the visits' gradients are orthogonal (decorrelated: DeepNorm's 1/4 suffices) and R when they
+    all point the same way (the aligned regime DeepLoop's 1/2 is built for); below 1, visits partly cancel. It is
+    exactly 1 at n_loop = 1, and near 1 when one visit's gradient dwarfs the others (grad_norm tells which).
+    Each visit runs its block with a leaf copy of the block's parameters (sharing storage), so autograd hands back
+    every g_r; their sum is the block's real gradient."""
+    L, R, no_cache = model.config.n_layer, model.config.n_loop, itertools.repeat(None)
+    e = model.embed(idx, 0, no_cache)
+    x, visit_params, streams = None, [], [e.detach()]
+    for _ in range(R):
+        x = model.loop_input(x, e)
+        for block in model.transformer.h:
+            params = {name: p.detach().requires_grad_() for name, p in block.named_parameters()}
+            x = functional_call(block, params, (x,))
+            visit_params.append(list(params.values()))
+            streams.append(x.detach())
+    grads = torch.autograd.grad(model.loss(model.readout(x, no_cache), targets), sum(visit_params, []))
+    n = len(visit_params[0])
+    g = torch.stack([torch.cat([t.flatten() for t in grads[v * n:(v + 1) * n]]) for v in range(L * R)])
+    g = g.view(R, L, -1)  # g[r, b]: what visit r gives block b
+    squares = g.pow(2).sum(-1)
+    return dict(kappa=(g.sum(0).pow(2).sum(-1) / squares.sum(0).clamp_min(1e-30)).tolist(),
+                grad_norm=squares.sqrt().T.tolist(), streams=streams,
+                residual_rms=[s.pow(2).mean().sqrt().item() for s in streams[1:]])
+
+
 def loop_diagnostics(model, idx, targets):
-    """GPT.loop_diagnostics' numbers with the stream probes (token_probe, position_probe) where the batch has two
+    """visit_diagnostics' numbers with the stream probes (token_probe, position_probe) where the batch has two
     sequences or more: a JSON-ready dict, as train.py records it."""
-    diagnostics = model.loop_diagnostics(idx, targets)
+    diagnostics = visit_diagnostics(model, idx, targets)
     streams = diagnostics.pop("streams")
     if idx.size(0) >= 2:
         diagnostics["token_probe"], diagnostics["position_probe"] = stream_probes(streams, idx)

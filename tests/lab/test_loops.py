@@ -137,7 +137,7 @@ def test_impossible_loop_distributions_are_rejected(settings, message):
 
 def test_backprop_through_the_last_loops_equals_the_gradient_of_those_visits_alone():
     """Truncated backprop through the last k of R loops, against a hand computation: every visit runs the block with
-    its own leaf copy of the weights (as loop_diagnostics does), so autograd hands back each visit's contribution;
+    its own leaf copy of the weights (as visit_diagnostics does), so autograd hands back each visit's contribution;
     the truncated gradient of a block is the sum over the last k loops' visits, and nothing reaches the position
     embedding, which only the untracked first visits read."""
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """lab/model_update.py: the untied copy is the looped model unrolled, bit for bit; the visits' gradients sum to the
-looped block's and give loop_diagnostics' kappa_R; on blocks that pass their input through, one step's first-order
+looped block's and give visit_diagnostics' kappa_R; on blocks that pass their input through, one step's first-order
 change is known in closed form (SGD: looped R^2, untied R; AdamW: both R); the linearization is exact at a tiny
 rate; the training mode takes train.py's steps; the script's outputs and its one-line errors."""
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lab.model_update import make_config, outputs, step_change, untied_copy, visit_kappa
+from lab.probes import visit_diagnostics
 from model import GPT
 from scripts import ROOT, run_script
 
@@ -41,7 +42,7 @@ def test_the_untied_copy_computes_the_looped_function_and_at_R_1_takes_the_same_
         assert step_change(one, x, y, optimizer, lr, "all") == step_change(untied_copy(one), x, y, optimizer, lr, "all")
 
 
-def test_the_looped_gradient_sums_the_visits_and_their_kappa_is_loop_diagnostics():
+def test_the_looped_gradient_sums_the_visits_and_their_kappa_is_visit_diagnostics():
     x, y = batch()
     tied = model("deeploop", 3)
     untied = untied_copy(tied)
@@ -53,7 +54,7 @@ def test_the_looped_gradient_sums_the_visits_and_their_kappa_is_loop_diagnostics
             visits = sum(dict(untied.transformer.h[r * 2 + b].named_parameters())[name].grad for r in range(3))
             torch.testing.assert_close(p.grad, visits, rtol=1e-10, atol=1e-14)
     kappa, pooled = visit_kappa(untied, 2, x, y)
-    assert kappa == pytest.approx(tied.loop_diagnostics(x, y)["kappa"], rel=1e-9)
+    assert kappa == pytest.approx(visit_diagnostics(tied, x, y)["kappa"], rel=1e-9)
     assert 1 < min(kappa) and max(kappa) < 3
     # pooled kappa_R is what a looped SGD step gains to first order over the untied one, on the blocks' loss
     looped, unlooped = (step_change(m, x, y, "sgd", 1e-3, "blocks") for m in (tied, untied))

@@ -1,12 +1,12 @@
-"""probes.py: the linear probe, the stream probes that loop_diagnostics adds to the model's numbers, and a batch too
-small to probe."""
+"""probes.py: the visits' gradients and kappa_R, the linear probe, the stream probes that loop_diagnostics adds to
+those numbers, and a batch too small to probe."""
 
 import pytest
 import torch
 
-from lab.probes import linear_probe, loop_diagnostics, stream_probes
+from lab.probes import linear_probe, loop_diagnostics, stream_probes, visit_diagnostics
 from model import GPT
-from models import tiny
+from models import HUGINN, tiny
 
 
 def test_linear_probe_reads_a_label_that_the_features_hold_and_not_one_they_do_not():
@@ -48,7 +48,7 @@ def test_a_batch_of_one_sequence_gets_the_models_numbers_without_probes():
     model = GPT(tiny(n_layer=2, n_loop=2))
     idx = torch.randint(0, 128, (1, 16))
     targets = torch.roll(idx, -1, 1)
-    numbers = model.loop_diagnostics(idx, targets)
+    numbers = visit_diagnostics(model, idx, targets)
     streams = numbers.pop("streams")
     assert loop_diagnostics(model, idx, targets) == numbers
     assert set(numbers) == {"kappa", "grad_norm", "residual_rms"}
@@ -59,3 +59,47 @@ def test_a_batch_of_one_sequence_gets_the_models_numbers_without_probes():
     # two sequences are enough
     idx = torch.randint(0, 128, (2, 16))
     assert len(loop_diagnostics(model, idx, torch.roll(idx, -1, 1))["token_probe"]) == 5
+
+
+@pytest.mark.parametrize("residual", ["deeploop", "preln_scaled"])
+def test_loop_diagnostics_per_visit_gradients_sum_to_the_real_gradient(residual):
+    torch.manual_seed(0)
+    model = GPT(tiny(n_layer=2, n_loop=3, residual=residual))
+    idx = torch.randint(0, 128, (2, 16))
+    targets = torch.roll(idx, -1, 1)
+    diag = visit_diagnostics(model, idx, targets)
+    assert len(diag["residual_rms"]) == 6 and len(diag["grad_norm"]) == 2 and len(diag["grad_norm"][0]) == 3
+    # the streams the lab's probes read: the core's input, then every visit's output, whose RMS residual_rms holds
+    assert set(diag) == {"kappa", "grad_norm", "residual_rms", "streams"} and len(diag["streams"]) == 7
+    assert diag["residual_rms"] == [s.pow(2).mean().sqrt().item() for s in diag["streams"][1:]]
+    if residual == "deeploop":  # Post-LN: every visit ends in a LayerNorm with unit gain and zero bias at init
+        assert diag["residual_rms"] == pytest.approx([1.0] * 6, rel=1e-3)
+    _, loss = model(idx, targets)
+    loss.backward()
+    for b, block in enumerate(model.transformer.h):
+        total = torch.cat([p.grad.flatten() for p in block.parameters()]).norm().item()
+        norms = diag["grad_norm"][b]
+        # ||sum g_r||^2 = kappa * sum ||g_r||^2
+        assert total ** 2 == pytest.approx(diag["kappa"][b] * sum(n ** 2 for n in norms), rel=1e-4)
+        assert 0.0 <= diag["kappa"][b] <= 3.0 + 1e-6
+
+
+def test_kappa_is_one_without_looping():
+    torch.manual_seed(0)
+    model = GPT(tiny(n_layer=3, n_loop=1))
+    idx = torch.randint(0, 128, (2, 16))
+    assert visit_diagnostics(model, idx, torch.roll(idx, -1, 1))["kappa"] == pytest.approx([1.0] * 3)
+
+
+@pytest.mark.parametrize("loop_input", ["none", "concat"])
+def test_loop_diagnostics_cover_the_core_visits(loop_input):
+    torch.manual_seed(0)
+    model = GPT(tiny(n_layer=2, n_loop=3, loop_input=loop_input, **HUGINN))
+    idx = torch.randint(0, 128, (2, 16))
+    targets = torch.roll(idx, -1, 1)
+    diag = visit_diagnostics(model, idx, targets)
+    assert len(diag["residual_rms"]) == 6 and len(diag["grad_norm"]) == 2 and len(diag["grad_norm"][0]) == 3
+    model(idx, targets)[1].backward()
+    for b, block in enumerate(model.transformer.h):
+        total = torch.cat([p.grad.flatten() for p in block.parameters()]).norm().item()
+        assert total ** 2 == pytest.approx(diag["kappa"][b] * sum(n ** 2 for n in diag["grad_norm"][b]), rel=1e-4)
