@@ -32,7 +32,8 @@ from runtime import check_device, default_peak_flops, precision, rng_states, set
 from lab.flops import flops_per_token
 from lab.loops import TrainLoops, TruncatedBackprop
 from lab.probes import loop_diagnostics
-from lab.tasks import TASKS, accuracy_by_k, best_shortcut, curriculum_hops, format_by_k, hits_by_k, make_task, shortcuts
+from lab.tasks import (TASKS, accuracy_by_k, best_shortcut, curriculum_hops, describe_accuracy, format_by_k, hits_by_k,
+                       make_task, shortcuts)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # config; the defaults are a GPT-2-small-wide looped model on OpenWebText (like config/loop_small.py)
@@ -312,11 +313,7 @@ def log_eval(losses, accuracy):
     tqdm.write(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, kappa_R (R={n_loop}) "
                f"min {min(kappa):.2f} mean {sum(kappa) / len(kappa):.2f} max {max(kappa):.2f}{depth}")
     if task:
-        tqdm.write(f"  val accuracy by k = 1..{len(accuracy[n_loop])}: {format_by_k(accuracy[n_loop])}")
-        if len(accuracy) > 1:
-            hardest = max(accuracy[n_loop], key=int)
-            tqdm.write(f"  val accuracy at k = {hardest} at {'/'.join(map(str, accuracy))} loops: "
-                       f"{'/'.join(f'{by_k[hardest]:.2f}' for by_k in accuracy.values())}")
+        tqdm.write(describe_accuracy(accuracy, n_loop))
     log(dict(type="eval", iter=iter_num, tokens=iter_num * tokens_per_iter, train_loss=losses["train"],
              val_loss=losses["val"], val_loss_by_loops=by_loops, loop=diagnostics,
              **(dict(accuracy=accuracy[n_loop], accuracy_by_loops=accuracy) if task else {})))

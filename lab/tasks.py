@@ -164,6 +164,18 @@ def format_by_k(by_k):
     return " ".join(f"{by_k[j]:.2f}" for j in sorted(by_k, key=int))
 
 
+def describe_accuracy(accuracy, n_loop):
+    """An evaluation's lines on a task, from its {loops: {"1": accuracy, ...}}: the accuracy by k at n_loop, and at the
+    hardest k at every loop count evaluated when there are several."""
+    by_k = accuracy[n_loop]
+    lines = [f"  val accuracy by k = 1..{len(by_k)}: {format_by_k(by_k)}"]
+    if len(accuracy) > 1:
+        hardest = max(by_k, key=int)
+        lines.append(f"  val accuracy at k = {hardest} at {'/'.join(map(str, accuracy))} loops: "
+                     f"{'/'.join(f'{at_loops[hardest]:.2f}' for at_loops in accuracy.values())}")
+    return "\n".join(lines)
+
+
 TASKS = {"chains": PointerChains}
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
-from lab.tasks import (PointerChains, accuracy_by_k, best_shortcut, curriculum_hops, evaluate, hits_by_k, make_task,
-                   require_text, run_precision, shortcuts)
+from lab.tasks import (PointerChains, accuracy_by_k, best_shortcut, curriculum_hops, describe_accuracy, evaluate, hits_by_k,
+                       make_task, require_text, run_precision, shortcuts)
 
 V, K, T = 8, 6, 24
 
@@ -207,3 +207,10 @@ def test_scripts_for_text_point_a_tasks_checkpoint_to_depth_eval():
 def test_bad_settings_raise_naming_the_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PointerChains(**dict(dict(n_values=V, max_hops=K, block_size=T, seed=0, split="train"), **kwargs))
+
+
+def test_describe_accuracy_gives_the_accuracy_by_k_then_the_hardest_k_at_each_loop_count():
+    accuracy = {2: {"1": 1.0, "2": 0.5, "10": 0.25}, 1: {"1": 0.875, "2": 0.125, "10": 0.0}}
+    assert describe_accuracy(accuracy, 2) == ("  val accuracy by k = 1..3: 1.00 0.50 0.25\n"
+                                              "  val accuracy at k = 10 at 2/1 loops: 0.25/0.00")
+    assert describe_accuracy({1: accuracy[1]}, 1) == "  val accuracy by k = 1..3: 0.88 0.12 0.00"
