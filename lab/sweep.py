@@ -463,8 +463,9 @@ if mode == "budget":
             wide = steps <= full_grid_until
             plan += [(s, r, "best", seed, steps) for s in group if wide or s in long_list for r in loop_list
                      for seed in (seed_list if wide else long_seed_list)]
-    # the higher side first: at R = 1 it is the grid's own rate when long_rate moved it down
-    plan += [(s, r, side, long_seed_list[0], budget_list[-1]) for side in ("higher", "lower") for s in long_list
+    # the lower side first: the best rate falls as the budget grows (docs/text.md), and where long_rate moved a rate
+    # down, the higher side is the grid's own rate, run already
+    plan += [(s, r, side, long_seed_list[0], budget_list[-1]) for side in ("lower", "higher") for s in long_list
              for r in loop_list] if len(budget_list) > 1 else []
     results = {}
     print(f"budget study: {len(plan)} runs planned, {workers} at a time, into {out_dir}/runs", flush=True)

@@ -529,7 +529,7 @@ def test_budget_mode_trains_its_plan_in_order_and_resumes(tmp_path):
     best = float(trained[2].split("_lr")[1].split("_")[0])
     assert trained[:2] == ["preln_R1_p0_lr0.001_seed0_it2", "preln_R1_p0_lr0.003_seed0_it2"]
     assert best in (1e-3, 3e-3) and trained[2] == f"preln_R1_p0_lr{best:g}_seed0_it3"
-    around = ["0.003", "0.000333"] if best == 1e-3 else ["0.009", "0.001"]  # higher side first; past the grid's edge,
+    around = ["0.000333", "0.003"] if best == 1e-3 else ["0.001", "0.009"]  # lower side first; past the grid's edge,
     #                                                                             its spacing
     assert trained[3:] == [f"preln_R1_p0_lr{lr}_seed0_it3" for lr in around]
     meta = json.loads((out / "runs" / trained[2] / "result.json").read_text())
