@@ -13,10 +13,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 
 import torch
+from tqdm import tqdm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,6 +92,9 @@ class Started:
             sys.argv = [path, *map(str, args)]
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as in a new python until the script sets its own
             signal.signal(signal.SIGINT, signal.default_int_handler)
+            # a lock of its own for tqdm's progress lines: tqdm's default one is a semaphore shared with this process,
+            # and a child killed while writing a line would leave it held, hanging the next run here for good
+            tqdm.set_lock(threading.RLock())
             code = execute(path, {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__})
         except BaseException:
             traceback.print_exc()
