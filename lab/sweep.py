@@ -15,11 +15,12 @@ so its longest budget of 43,000 steps of 8 x 64 bytes, ten passes of builtin_byt
 runs in stages, all from that one command: every scheme at every rate and seed at the first budget; then each scheme
 at its best rate there at each longer budget (every scheme and seed up to full_grid_until steps, long_schemes with
 long_seeds beyond, at long_rate if given: the rate a check at a longer budget found better); then the long
-schemes' rates checked at the longest budget against the grid's neighbour on each side (one seed). The longest runs
-go first. `--report_only=True` writes the tables and the plot of the runs finished so far, so a study
-that a session cannot finish is read as far as it got and resumed with the same command; the report's runs.jsonl
-(every run's result) goes on elsewhere with `--results_from=` that file. lab/sweep_budget.py holds its tables and
-plot.
+schemes' rates checked at the longest budget against the grid's neighbour on each side (one seed); last, where a
+neighbour won that check, the other long seeds at the winning rate, from which the report takes its verdict at the
+longest budget. The longest runs go first. `--report_only=True` writes the tables and the plot of the runs finished
+so far, so a study that a session cannot finish is read as far as it got and resumed with the same command; the
+report's runs.jsonl (every run's result) goes on elsewhere with `--results_from=` that file. lab/sweep_budget.py
+holds its tables and plot.
 
 The depth mode is apart from the other three: its runs train config/depth_cpu.py on a smaller budget (BUDGETS;
 the settings of the model and the budget given to sweep.py, in a config file or on the command line, override
@@ -396,7 +397,7 @@ if mode == "budget" and "dtype" not in given:
 run_dtype, dtype_reason = sweep_dtype()
 print(f"dtype {run_dtype} for every run: {dtype_reason}")
 if mode == "budget":
-    from lab.sweep_budget import neighbours, rate_at, report
+    from lab.sweep_budget import checked_rate, neighbours, rate_at, report
 
     budget_list = number_list("budgets", int)
     if results_from:
@@ -442,7 +443,8 @@ if mode == "budget":
 
     def resolve(job):
         """A planned run (scheme, R, rate, seed, steps), its rate "best", "lower" or "higher" (the neighbours) until
-        the scheme's grid is done, -> the job train() takes, or None while its rate is not known."""
+        the scheme's grid is done, or "checked" until the rate check at the longest budget is, -> the job train()
+        takes, or None while its rate is not known."""
         s, r, rate, seed, steps = job
         if not isinstance(rate, str):
             return s, r, 0.0, rate, seed, steps
@@ -450,6 +452,9 @@ if mode == "budget":
                                                      full_grid_until=full_grid_until))
         if lr is None:
             return None
+        if rate == "checked":
+            lr = checked_rate(lr, lr_list, lambda x: results.get((s, r, 0.0, x, long_seed_list[0], steps)))
+            return None if lr is None else (s, r, 0.0, lr, seed, steps)
         return s, r, 0.0, {"best": lr, "lower": neighbours(lr, lr_list)[0],
                            "higher": neighbours(lr, lr_list)[1]}[rate], seed, steps
 
@@ -467,6 +472,9 @@ if mode == "budget":
     # down, the higher side is the grid's own rate, run already
     plan += [(s, r, side, long_seed_list[0], budget_list[-1]) for side in ("lower", "higher") for s in long_list
              for r in loop_list] if len(budget_list) > 1 else []
+    # last, the other long seeds at the rate the check found best, where a neighbour beat the chosen rate
+    plan += [(s, r, "checked", seed, budget_list[-1]) for s in long_list for r in loop_list
+             for seed in long_seed_list[1:]] if len(budget_list) > 1 else []
     results = {}
     print(f"budget study: {len(plan)} runs planned, {workers} at a time, into {out_dir}/runs", flush=True)
     if report_only:

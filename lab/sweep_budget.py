@@ -38,6 +38,18 @@ def rate_at(grid_rate, scheme, steps, cfg):
     return cfg["long_rate"] if long else grid_rate
 
 
+def checked_rate(chosen, rates, run_at):
+    """The rate the check at the longest budget found best: of the chosen rate and its neighbours, the one whose check
+    run (run_at(lr): its result, None while it has not run) ended lowest, the chosen rate on a tie; None until all
+    three have run. A diverged run never wins; where all three diverged the chosen rate stays."""
+    candidates = [chosen, *neighbours(chosen, rates)]
+    runs = [run_at(lr) for lr in candidates]
+    if None in runs:
+        return None
+    finished = [(run["val_loss"], i) for i, run in enumerate(runs) if run["val_loss"] is not None]
+    return candidates[min(finished)[1]] if finished else chosen
+
+
 def mean_std(values):
     if not values:
         return None
@@ -206,6 +218,34 @@ def report(results, best, cfg):
                      + f" (lr {lr:g})" for run, v, lr in zip(got, values, rates)]
             lines.append(f"| {s} | {r} | {b:,} | " + " | ".join(cells) + " |")
 
+    # the verdict at the longest budget: each long scheme at the rate its check found best, every long seed there
+    checked_gaps, checked_gains = {}, {}
+    if checked:
+        last, seed = budgets[-1], cfg["long_seeds"][0]
+        won = {(s, r): checked_rate(rate(s, r, last), cfg["rates"], lambda lr: results.get((s, r, 0.0, lr, seed, last)))
+               for s, r, _ in checked}
+        at_best = {(s, r): losses(s, r, last, lr) if lr else {} for (s, r), lr in won.items()}
+        lines += ["", f"At the longest budget, each at the rate its check found best (the lowest of the three above, "
+                      f"its other seeds run at that rate), with the gap to Pre-LN and the gain from loops from those "
+                      f"runs, seed by seed:", "",
+                  f"| scheme | R | rate | {last:,} steps | gap to Pre-LN | gain from R = 1 to 3 | gain minus Pre-LN's |",
+                  "|---|---|---|---|---|---|---|"]
+        for s, r, _ in checked:
+            base = baseline(s)
+            if s != base and (base, r) in at_best:
+                checked_gaps[s, r] = paired(at_best[s, r], at_best[base, r])
+            gain = {}
+            if r == 3 and (s, 1) in at_best:
+                gain = {k: at_best[s, 1][k] - at_best[s, 3][k] for k in set(at_best[s, 1]) & set(at_best[s, 3])}
+                checked_gains[s] = mean_std(list(gain.values()))
+            base_gain = {k: at_best[base, 1][k] - at_best[base, 3][k] for k in
+                         set(at_best.get((base, 1), {})) & set(at_best.get((base, 3), {}))}
+            lines.append(f"| {s} | {r} | " + (f"{won[s, r]:g}" if won[s, r] else "check not finished") + " | "
+                         + fmt_loss(mean_std(list(at_best[s, r].values()))) + " | "
+                         + (fmt(checked_gaps.get((s, r))) if s != base else "—") + " | "
+                         + (fmt(checked_gains.get(s)) if r == 3 else "—") + " | "
+                         + (fmt(paired(gain, base_gain)) if r == 3 and s != base else "—") + " |")
+
     seconds = {}
     for (s, r, p, lr, seed, steps), run in results.items():
         seconds.setdefault((r, steps), []).append(run["seconds"])
@@ -225,10 +265,10 @@ def report(results, best, cfg):
         for run in sorted(results.values(), key=lambda run: run["name"]):
             f.write(json.dumps({k: v for k, v in run.items() if k != "curve"}) + "\n")
     print(table)
-    plot(results, best, cfg, losses, gaps, gains, lines_of, tokens, pairs)
+    plot(cfg, losses, gaps, gains, lines_of, tokens, pairs, checked_gaps, checked_gains)
 
 
-def plot(results, best, cfg, losses, gaps, gains, lines_of, tokens, pairs):
+def plot(cfg, losses, gaps, gains, lines_of, tokens, pairs, checked_gaps, checked_gains):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -252,6 +292,7 @@ def plot(results, best, cfg, losses, gaps, gains, lines_of, tokens, pairs):
     for ax, series_of, title, key in ((axes[1], gaps, "gap to Pre-LN (+: Pre-LN ahead)", "gap"),
                                       (axes[2], {(s, 1): v for s, v in gains.items()}, "gain from R = 1 to R = 3",
                                        "gain")):
+        marked = False
         for (s, r), series in series_of.items():
             points = [(tokens[b], series[b][0], series[b][1]) for b in budgets if series[b]]
             if not points:
@@ -260,6 +301,12 @@ def plot(results, best, cfg, losses, gaps, gains, lines_of, tokens, pairs):
             label = f"{s} R={r}" if key == "gap" else s
             ax.errorbar(xs, ms, yerr=sd, marker="o", ms=3, capsize=2, color=colors[s],
                         ls="-" if r == 1 else "--", label=label)
+            at_best = checked_gaps.get((s, r)) if key == "gap" else checked_gains.get(s)
+            if at_best:  # the longest budget at the rate its check found best
+                ax.errorbar([tokens[budgets[-1]]], [at_best[0]], yerr=[at_best[1]], marker="D", ms=6, mfc="none",
+                            capsize=2, color=colors[s], ls="none",
+                            label=None if marked else "◇ at the rate checked best")
+                marked = True
             line = lines_of.get(("gap", s, r) if key == "gap" else ("gain", s))
             if line and key == "gap" and r == 1:
                 span = np.array([min(xs), max(xs) * 10])

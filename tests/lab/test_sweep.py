@@ -556,3 +556,60 @@ def test_budget_mode_bad_settings_are_one_line_errors(args, message):
 def test_report_only_is_for_the_budget_mode():
     r = sweep("--mode=loops", "--report_only=True")
     assert r.returncode == 2 and r.stderr.startswith("error: report_only applies to --mode=budget")
+
+
+def test_checked_rate_is_the_lowest_of_the_three_once_all_have_run():
+    from lab.sweep_budget import checked_rate
+    rates = [1e-3, 3e-3, 1e-2]
+    assert checked_rate(3e-3, rates, lambda lr: {"val_loss": {1e-3: 2.0, 3e-3: 1.9, 1e-2: 1.8}[lr]}) == 1e-2
+    assert checked_rate(3e-3, rates, lambda lr: None if lr == 1e-2 else {"val_loss": 1.0}) is None  # not run yet
+    assert checked_rate(3e-3, rates, lambda lr: {"val_loss": 1.5}) == 3e-3  # a tie keeps the chosen rate
+    assert checked_rate(3e-3, rates, lambda lr: {"val_loss": None if lr == 1e-2 else 2.0 - lr}) == 3e-3  # diverged
+    assert checked_rate(3e-3, rates, lambda lr: {"val_loss": None}) == 3e-3
+    assert checked_rate(1e-2, rates, lambda lr: {"val_loss": 1.0 if lr == 3e-2 else 2.0}) == 3e-2  # past the edge
+
+
+def test_budget_mode_runs_the_other_long_seeds_at_the_rate_its_check_found_best(tmp_path):
+    """Made-up runs where the check at the longest budget finds a neighbour better for Pre-LN at R = 1 (1e-3) and
+    DeepLoop at R = 3 (1e-2): the study trains seed 1 at those rates and nothing else, and its verdict table takes
+    each (scheme, R) at that rate, seed by seed."""
+    out = tmp_path / "checked"
+    at_longest = {("preln", 1): {3e-3: (2.00, 2.02), 1e-3: (1.90, 1.92), 1e-2: (2.10,)},
+                  ("preln", 3): {3e-3: (1.95, 1.97), 1e-3: (2.00,), 1e-2: (2.00,)},
+                  ("deeploop", 1): {3e-3: (2.05, 2.07), 1e-3: (2.20,), 1e-2: (None,)},  # the higher rate diverged
+                  ("deeploop", 3): {3e-3: (1.96, 1.98), 1e-3: (2.10,), 1e-2: (1.93, 1.95)}}
+    runs = {}
+    for (s, r), by_rate in at_longest.items():
+        for lr in (1e-3, 3e-3, 1e-2):
+            for seed in (0, 1):
+                runs[s, r, lr, seed, 2] = 3.0 if lr == 3e-3 else 3.5
+        for lr, losses in by_rate.items():
+            runs.update({(s, r, lr, seed, 3): loss for seed, loss in enumerate(losses)})
+    won = [("preln", 1, 1e-3, 1, 3), ("deeploop", 3, 1e-2, 1, 3)]
+    write_budget_runs(out, {job: loss for job, loss in runs.items() if job not in won})
+    args = ["--mode=budget", "--dataset=builtin_bytes", "--schemes=preln,deeploop", "--loops=1,3",
+            "--learning_rates=1e-3,3e-3,1e-2", "--seeds=0,1", "--budgets=2,3", "--full_grid_until=2",
+            "--long_schemes=preln,deeploop", "--long_seeds=0,1", "--warmup_iters=1", "--eval_iters=1",
+            f"--out_dir={out}", "--workers=1"]
+    r = sweep(*args, "--report_only=True")
+    assert r.returncode == 0, r.stderr
+    verdict = r.stdout.split("At the longest budget")[1]
+    assert "| preln | 1 | 0.001 | 1.9000 ± 0.0000 (1) | — | — | — |" in verdict
+    assert "| deeploop | 1 | 0.003 | 2.0600 ± 0.0141 (2) | +0.150 ± 0.000 (1) | — | — |" in verdict
+    # the study trains the two runs the checks asked for, and nothing else
+    r = sweep(*args)
+    assert r.returncode == 0, r.stderr
+    trained = [line.split()[0] for line in r.stdout.splitlines() if line.endswith(" s)")]
+    assert trained == ["preln_R1_p0_lr0.001_seed1_it3", "deeploop_R3_p0_lr0.01_seed1_it3"]
+    for job in won:  # made-up losses in place of the real 3-step runs', for the table
+        name = "{}_R{}_p0_lr{:g}_seed{}_it{}".format(*job)
+        result = json.loads((out / "runs" / name / "result.json").read_text())
+        result["val_loss"] = runs[job]
+        (out / "runs" / name / "result.json").write_text(json.dumps(result))
+    r = sweep(*args, "--report_only=True")
+    verdict = r.stdout.split("At the longest budget")[1]
+    assert "| preln | 1 | 0.001 | 1.9100 ± 0.0141 (2) | — | — | — |" in verdict
+    assert "| preln | 3 | 0.003 | 1.9600 ± 0.0141 (2) | — | -0.050 ± 0.000 (2) | — |" in verdict
+    assert "| deeploop | 1 | 0.003 | 2.0600 ± 0.0141 (2) | +0.150 ± 0.000 (2) | — | — |" in verdict
+    assert "| deeploop | 3 | 0.01 | 1.9400 ± 0.0141 (2) | -0.020 ± 0.000 (2) | +0.120 ± 0.000 (2) | +0.170 ± 0.000 (2) |" \
+        in verdict
