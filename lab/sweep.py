@@ -122,9 +122,9 @@ MODES = {
     "depth": dict(schemes="preln,deeploop,deepnorm,untied", loops="1,2,4,8", exponents="0",
                   learning_rates="1e-3,3e-3", seeds="0,1,2"),
     # 400 steps (the other modes' budget) to ten passes over builtin_bytes, in steps of about sqrt(10)
-    "budget": dict(schemes="preln,postln,deepnorm,deeploop,preln+paper,deeploop+paper", loops="1,3", exponents="0",
-                   learning_rates="3e-4,1e-3,3e-3,1e-2", seeds="0,1,2", budgets="400,1350,4300,13500,43000",
-                   long_schemes="preln,deeploop", long_seeds="0,1"),
+    "budget": dict(schemes="preln,postln,deepnorm,deeploop,preln_scaled,preln+paper,deeploop+paper", loops="1,3",
+                   exponents="0", learning_rates="3e-4,1e-3,3e-3,1e-2", seeds="0,1,2",
+                   budgets="400,1350,4300,13500,43000", long_schemes="preln,deeploop", long_seeds="0,1"),
 }
 DEPTH_CONFIG = "config/depth_cpu.py"  # what every run on the depth task (--dataset=chains) trains, before the grid
 # Budgets of their own, where a mode's grid would not fit its time on 2 cores with the settings above (the depth task:

@@ -228,8 +228,8 @@ def report(results, best, cfg):
         lines += ["", f"At the longest budget, each at the rate its check found best (the lowest of the three above, "
                       f"its other seeds run at that rate), with the gap to Pre-LN and the gain from loops from those "
                       f"runs, seed by seed:", "",
-                  f"| scheme | R | rate | {last:,} steps | gap to Pre-LN | gain from R = 1 to 3 | gain minus Pre-LN's |",
-                  "|---|---|---|---|---|---|---|"]
+                  f"| scheme | R | rate | {last:,} steps | gap to Pre-LN | gain from R = 1 to 3 | "
+                  f"gain minus Pre-LN's |", "|---|---|---|---|---|---|---|"]
         for s, r, _ in checked:
             base = baseline(s)
             if s != base and (base, r) in at_best:
