@@ -16,11 +16,11 @@ runs in stages, all from that one command: every scheme at every rate and seed a
 at its best rate there at each longer budget (every scheme and seed up to full_grid_until steps, long_schemes with
 long_seeds beyond, at long_rate if given: the rate a check at a longer budget found better); then the long
 schemes' rates checked at the longest budget against the grid's neighbour on each side (one seed); last, where a
-neighbour won that check, the other long seeds at the winning rate, from which the report takes its verdict at the
-longest budget. The longest runs go first. `--report_only=True` writes the tables and the plot of the runs finished
-so far, so a study that a session cannot finish is read as far as it got and resumed with the same command; the
-report's runs.jsonl (every run's result) goes on elsewhere with `--results_from=` that file. lab/sweep_budget.py
-holds its tables and plot.
+neighbour won that check, the other long seeds at it, and the report's verdict at the longest budget takes it where
+it stays lower on their mean. The longest runs go first. `--report_only=True` writes the tables and the plot of the
+runs finished so far, so a study that a session cannot finish is read as far as it got and resumed with the same
+command; the report's runs.jsonl (every run's result) goes on elsewhere with `--results_from=` that file.
+lab/sweep_budget.py holds its tables and plot.
 
 The depth mode is apart from the other three: its runs train config/depth_cpu.py on a smaller budget (BUDGETS;
 the settings of the model and the budget given to sweep.py, in a config file or on the command line, override
@@ -397,7 +397,7 @@ if mode == "budget" and "dtype" not in given:
 run_dtype, dtype_reason = sweep_dtype()
 print(f"dtype {run_dtype} for every run: {dtype_reason}")
 if mode == "budget":
-    from lab.sweep_budget import checked_rate, neighbours, rate_at, report
+    from lab.sweep_budget import check_winner, neighbours, rate_at, report
 
     budget_list = number_list("budgets", int)
     if results_from:
@@ -453,7 +453,7 @@ if mode == "budget":
         if lr is None:
             return None
         if rate == "checked":
-            lr = checked_rate(lr, lr_list, lambda x: results.get((s, r, 0.0, x, long_seed_list[0], steps)))
+            lr = check_winner(lr, lr_list, lambda x: results.get((s, r, 0.0, x, long_seed_list[0], steps)))
             return None if lr is None else (s, r, 0.0, lr, seed, steps)
         return s, r, 0.0, {"best": lr, "lower": neighbours(lr, lr_list)[0],
                            "higher": neighbours(lr, lr_list)[1]}[rate], seed, steps

@@ -558,25 +558,30 @@ def test_report_only_is_for_the_budget_mode():
     assert r.returncode == 2 and r.stderr.startswith("error: report_only applies to --mode=budget")
 
 
-def test_checked_rate_is_the_lowest_of_the_three_once_all_have_run():
-    from lab.sweep_budget import checked_rate
+def test_the_rate_check_nominates_the_lowest_of_three_and_the_other_seeds_confirm_it():
+    from lab.sweep_budget import check_winner, confirmed_rate
     rates = [1e-3, 3e-3, 1e-2]
-    assert checked_rate(3e-3, rates, lambda lr: {"val_loss": {1e-3: 2.0, 3e-3: 1.9, 1e-2: 1.8}[lr]}) == 1e-2
-    assert checked_rate(3e-3, rates, lambda lr: None if lr == 1e-2 else {"val_loss": 1.0}) is None  # not run yet
-    assert checked_rate(3e-3, rates, lambda lr: {"val_loss": 1.5}) == 3e-3  # a tie keeps the chosen rate
-    assert checked_rate(3e-3, rates, lambda lr: {"val_loss": None if lr == 1e-2 else 2.0 - lr}) == 3e-3  # diverged
-    assert checked_rate(3e-3, rates, lambda lr: {"val_loss": None}) == 3e-3
-    assert checked_rate(1e-2, rates, lambda lr: {"val_loss": 1.0 if lr == 3e-2 else 2.0}) == 3e-2  # past the edge
+    assert check_winner(3e-3, rates, lambda lr: {"val_loss": {1e-3: 2.0, 3e-3: 1.9, 1e-2: 1.8}[lr]}) == 1e-2
+    assert check_winner(3e-3, rates, lambda lr: None if lr == 1e-2 else {"val_loss": 1.0}) is None  # not run yet
+    assert check_winner(3e-3, rates, lambda lr: {"val_loss": 1.5}) == 3e-3  # a tie keeps the chosen rate
+    assert check_winner(3e-3, rates, lambda lr: {"val_loss": None if lr == 1e-2 else 2.0 - lr}) == 3e-3  # diverged
+    assert check_winner(3e-3, rates, lambda lr: {"val_loss": None}) == 3e-3
+    assert check_winner(1e-2, rates, lambda lr: {"val_loss": 1.0 if lr == 3e-2 else 2.0}) == 3e-2  # past the edge
+    losses = {1e-2: {0: 1.307, 1: 1.322}, 3e-3: {0: 1.310, 1: 1.307, 2: 1.0}}  # DeepLoop at R = 3, 43,000 steps
+    assert confirmed_rate(3e-3, 1e-2, losses.get) == 3e-3  # won seed 0, lost on the mean of seeds 0 and 1
+    assert confirmed_rate(3e-3, 1e-2, lambda lr: {0: losses[lr][0]}) == 1e-2  # seed 0 alone: the check's word
+    assert confirmed_rate(3e-3, 1e-2, lambda lr: {} if lr == 3e-3 else losses[lr]) == 1e-2  # the chosen diverged
+    assert confirmed_rate(3e-3, 3e-3, losses.get) == 3e-3
 
 
 def test_budget_mode_runs_the_other_long_seeds_at_the_rate_its_check_found_best(tmp_path):
-    """Made-up runs where the check at the longest budget finds a neighbour better for Pre-LN at R = 1 (1e-3) and
-    DeepLoop at R = 3 (1e-2): the study trains seed 1 at those rates and nothing else, and its verdict table takes
-    each (scheme, R) at that rate, seed by seed."""
+    """Made-up runs where the check at the longest budget finds a neighbour better on seed 0 for Pre-LN at R = 1
+    (1e-3) and DeepLoop at R = 1 (1e-3) and R = 3 (1e-2): the study trains seed 1 at those rates and nothing else, and
+    its verdict table takes each (scheme, R) at that rate where seed 1 confirms it (not DeepLoop's at R = 1)."""
     out = tmp_path / "checked"
     at_longest = {("preln", 1): {3e-3: (2.00, 2.02), 1e-3: (1.90, 1.92), 1e-2: (2.10,)},
                   ("preln", 3): {3e-3: (1.95, 1.97), 1e-3: (2.00,), 1e-2: (2.00,)},
-                  ("deeploop", 1): {3e-3: (2.05, 2.07), 1e-3: (2.20,), 1e-2: (None,)},  # the higher rate diverged
+                  ("deeploop", 1): {3e-3: (2.05, 2.07), 1e-3: (2.00, 2.20), 1e-2: (None,)},  # 1e-2 diverged
                   ("deeploop", 3): {3e-3: (1.96, 1.98), 1e-3: (2.10,), 1e-2: (1.93, 1.95)}}
     runs = {}
     for (s, r), by_rate in at_longest.items():
@@ -585,7 +590,7 @@ def test_budget_mode_runs_the_other_long_seeds_at_the_rate_its_check_found_best(
                 runs[s, r, lr, seed, 2] = 3.0 if lr == 3e-3 else 3.5
         for lr, losses in by_rate.items():
             runs.update({(s, r, lr, seed, 3): loss for seed, loss in enumerate(losses)})
-    won = [("preln", 1, 1e-3, 1, 3), ("deeploop", 3, 1e-2, 1, 3)]
+    won = [("preln", 1, 1e-3, 1, 3), ("deeploop", 1, 1e-3, 1, 3), ("deeploop", 3, 1e-2, 1, 3)]
     write_budget_runs(out, {job: loss for job, loss in runs.items() if job not in won})
     args = ["--mode=budget", "--dataset=builtin_bytes", "--schemes=preln,deeploop", "--loops=1,3",
             "--learning_rates=1e-3,3e-3,1e-2", "--seeds=0,1", "--budgets=2,3", "--full_grid_until=2",
@@ -595,12 +600,13 @@ def test_budget_mode_runs_the_other_long_seeds_at_the_rate_its_check_found_best(
     assert r.returncode == 0, r.stderr
     verdict = r.stdout.split("At the longest budget")[1]
     assert "| preln | 1 | 0.001 | 1.9000 ± 0.0000 (1) | — | — | — |" in verdict
-    assert "| deeploop | 1 | 0.003 | 2.0600 ± 0.0141 (2) | +0.150 ± 0.000 (1) | — | — |" in verdict
-    # the study trains the two runs the checks asked for, and nothing else
+    assert "| deeploop | 1 | 0.001 | 2.0000 ± 0.0000 (1) | +0.100 ± 0.000 (1) | — | — |" in verdict
+    # the study trains the runs the checks asked for, and nothing else
     r = sweep(*args)
     assert r.returncode == 0, r.stderr
     trained = [line.split()[0] for line in r.stdout.splitlines() if line.endswith(" s)")]
-    assert trained == ["preln_R1_p0_lr0.001_seed1_it3", "deeploop_R3_p0_lr0.01_seed1_it3"]
+    assert trained == ["preln_R1_p0_lr0.001_seed1_it3", "deeploop_R1_p0_lr0.001_seed1_it3",
+                       "deeploop_R3_p0_lr0.01_seed1_it3"]
     for job in won:  # made-up losses in place of the real 3-step runs', for the table
         name = "{}_R{}_p0_lr{:g}_seed{}_it{}".format(*job)
         result = json.loads((out / "runs" / name / "result.json").read_text())
@@ -610,6 +616,8 @@ def test_budget_mode_runs_the_other_long_seeds_at_the_rate_its_check_found_best(
     verdict = r.stdout.split("At the longest budget")[1]
     assert "| preln | 1 | 0.001 | 1.9100 ± 0.0141 (2) | — | — | — |" in verdict
     assert "| preln | 3 | 0.003 | 1.9600 ± 0.0141 (2) | — | -0.050 ± 0.000 (2) | — |" in verdict
-    assert "| deeploop | 1 | 0.003 | 2.0600 ± 0.0141 (2) | +0.150 ± 0.000 (2) | — | — |" in verdict
+    # DeepLoop's 1e-3 at R = 1 won seed 0 and lost seed 1 by more: the chosen rate stays
+    assert "| deeploop | 1 | 0.003; 0.001 won seed 0 only | 2.0600 ± 0.0141 (2) | +0.150 ± 0.000 (2) | — | — |" \
+        in verdict
     assert ("| deeploop | 3 | 0.01 | 1.9400 ± 0.0141 (2) | -0.020 ± 0.000 (2) | +0.120 ± 0.000 (2) "
             "| +0.170 ± 0.000 (2) |") in verdict
