@@ -321,7 +321,7 @@ def plot(cfg, losses, gaps, gains, lines_of, tokens, pairs, checked_gaps, checke
             if at_best:  # the longest budget at the rate its check found best
                 ax.errorbar([tokens[budgets[-1]]], [at_best[0]], yerr=[at_best[1]], marker="D", ms=6, mfc="none",
                             capsize=2, color=colors[s], ls="none",
-                            label=None if marked else "◇ at the rate checked best")
+                            label=None if marked else "at the rate checked best")
                 marked = True
             line = lines_of.get(("gap", s, r) if key == "gap" else ("gain", s))
             if line and key == "gap" and r == 1:
