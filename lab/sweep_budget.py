@@ -104,14 +104,17 @@ def report(results, best, cfg):
                 out[seed] = run["val_loss"]
         return out
 
+    def differences(a, b):
+        """{seed: a - b} over the seeds both {seed: loss} have"""
+        return {seed: a[seed] - b[seed] for seed in sorted(set(a) & set(b))}
+
     def paired(a, b):
         """mean ± std over the seeds both have of a - b"""
-        return mean_std([a[seed] - b[seed] for seed in sorted(set(a) & set(b))])
+        return mean_std(list(differences(a, b).values()))
 
     def seed_gains(s, steps):
         """{seed: loss at R = 1 minus loss at R = 3} of s at a budget, over the seeds it has at both"""
-        one, three = losses(s, 1, steps), losses(s, 3, steps)
-        return {seed: one[seed] - three[seed] for seed in set(one) & set(three)}
+        return differences(losses(s, 1, steps), losses(s, 3, steps))
 
     def baseline(s):
         block = s.partition("+")[2]
@@ -239,6 +242,9 @@ def report(results, best, cfg):
         kept = {(s, r): lr and confirmed_rate(rate(s, r, last), lr, lambda x: losses(s, r, last, x))
                 for (s, r), lr in won.items()}
         at_best = {(s, r): losses(s, r, last, lr) if lr else {} for (s, r), lr in kept.items()}
+        gains_at_best = {s: differences(at_best[s, 1], at_best[s, 3]) for s, r, _ in checked
+                         if (s, 1) in at_best and (s, 3) in at_best}
+        checked_gains = {s: mean_std(list(gain.values())) for s, gain in gains_at_best.items()}
         lines += ["", f"At the longest budget, each at the rate its check found best (the lowest of the three above; "
                       f"where a neighbour won, its other seeds ran at it, and it stays only if it is lower on their "
                       f"mean), with the gap to Pre-LN and the gain from loops from those runs, seed by seed:", "",
@@ -248,19 +254,14 @@ def report(results, best, cfg):
             base = baseline(s)
             if s != base and (base, r) in at_best:
                 checked_gaps[s, r] = paired(at_best[s, r], at_best[base, r])
-            gain = {}
-            if r == 3 and (s, 1) in at_best:
-                gain = {k: at_best[s, 1][k] - at_best[s, 3][k] for k in set(at_best[s, 1]) & set(at_best[s, 3])}
-                checked_gains[s] = mean_std(list(gain.values()))
-            base_gain = {k: at_best[base, 1][k] - at_best[base, 3][k] for k in
-                         set(at_best.get((base, 1), {})) & set(at_best.get((base, 3), {}))}
             rate_text = ("check not finished" if not won[s, r] else f"{kept[s, r]:g}" + (
                 f"; {won[s, r]:g} won seed {seed} only" if won[s, r] != kept[s, r] else ""))
             lines.append(f"| {s} | {r} | {rate_text} | "
                          + fmt_loss(mean_std(list(at_best[s, r].values()))) + " | "
                          + (fmt(checked_gaps.get((s, r))) if s != base else "—") + " | "
                          + (fmt(checked_gains.get(s)) if r == 3 else "—") + " | "
-                         + (fmt(paired(gain, base_gain)) if r == 3 and s != base else "—") + " |")
+                         + (fmt(paired(gains_at_best.get(s, {}), gains_at_best.get(base, {})))
+                            if r == 3 and s != base else "—") + " |")
 
     seconds = {}
     for (s, r, p, lr, seed, steps), run in results.items():
