@@ -27,7 +27,7 @@ from configurator import configure, die
 from dataset import EVAL_SEED, TokenWindows, load_meta
 from model import GPT, GPTConfig
 from prepare_data import prepare_builtin_if_missing
-from runtime import check_device, default_peak_flops, precision, rng_states, set_rng_states, tune_malloc
+from runtime import check_device, default_peak_flops, machine, precision, rng_states, set_rng_states, tune_malloc
 # the lab's instruments that train.py offers: FLOPs for MFU, sampled loop counts, stream probes, the depth task
 from lab.flops import flops_per_token
 from lab.loops import TrainLoops, TruncatedBackprop
@@ -350,7 +350,7 @@ def start_logs():
         print(f"{val_data.name}: chance {1 / chain_values:.3f}; the best shortcut (not following the chains) by k = "
               f"1..{chain_hops}: {format_by_k(best_shortcut(task_record['shortcuts']))}")
     log(dict(type="start", iter=iter_num, resumed=init_from == "resume", params=n_params, world_size=world_size,
-             config={k: globals()[k] for k in config}, **task_record))
+             config={k: globals()[k] for k in config}, machine=machine(), **task_record))
 
 
 procs.on_master(start_logs)

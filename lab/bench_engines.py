@@ -34,6 +34,7 @@ from configurator import configure, die
 from lab import require
 from lab.flops import decode_step_bytes, read_bandwidth
 from model import GPT, GPTConfig
+from runtime import cpu_name
 
 out_dir = ""           # a train.py run (its ckpt.pt) or a checkpoint file; empty: the bench model below
 # the bench model (lab.bench's defaults), random weights, GPT-2's vocabulary
@@ -135,18 +136,6 @@ def vllm_engine(folder, most):
         outs = llm.generate([dict(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
     return generate
-
-
-def cpu_name():
-    """The CPU's name with its family and model (one name covers several generations: AMD EPYC is Zen 3 at family
-    25, Zen 5 at family 26)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
-    except OSError:
-        return "a CPU"
-    info = {k.strip(): v.strip() for k, v in info.items()}
-    return f"{info.get('model name', 'a CPU')} (family {info.get('cpu family', '?')}, model {info.get('model', '?')})"
 
 
 def best_call(generate, prompts, tokens):

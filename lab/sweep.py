@@ -10,14 +10,15 @@ is measured here is exactly what train.py does. Three modes share the runs, the 
     python -m lab.sweep --mode=depth      # where depth is the bottleneck: accuracy by k on pointer chains (tasks.py)
     python -m lab.sweep --mode=budget     # the gap to Pre-LN at R = 1 and the gain from R = 1 to 3 as training grows
 
-The budget mode trains on data/stdlib_bytes (31M bytes of the standard library's source, 14 times builtin_bytes,
-so its longest budget of 43,000 steps of 8 x 64 bytes, ten passes of builtin_bytes, still sees no byte twice). It
+The budget mode trains on data/stdlib_bytes (31M bytes of the standard library's source, 14 times builtin_bytes;
+windows are drawn with replacement, so the longest budget of 43,000 steps of 8 x 64 bytes reads some bytes twice). It
 runs in stages, all from that one command: every scheme at every rate and seed at the first budget; then each scheme
 at its best rate there at each longer budget (every scheme and seed up to full_grid_until steps, long_schemes with
-long_seeds beyond, at long_rate if given: the rate a check at a longer budget found better); then the long
-schemes' rates checked at the longest budget against the grid's neighbour on each side (one seed); last, where a
-neighbour won that check, the other long seeds at it, and the report's verdict at the longest budget takes it where
-it stays lower on their mean. The longest runs go first. `--report_only=True` writes the tables and the plot of the
+long_seeds beyond, at long_rate if given); then, at every budget past full_grid_until, the long schemes' rate walk
+(sweep_budget.rate_walk) on every long seed: the chosen rate's neighbours on each side, and past a neighbour that wins
+on the mean, the next rate, until the best rate has both neighbours run. The longest runs go first. Every run records
+the machine it trained on and the code's commit, and resumes from its checkpoint (written every checkpoint_minutes)
+when a study is stopped and started again. `--report_only=True` writes the tables and the plot of the
 runs finished so far, so a study that a session cannot finish is read as far as it got and resumed with the same
 command; the report's runs.jsonl (every run's result) goes on elsewhere with `--results_from=` that file.
 lab/sweep_budget.py holds its tables and plot.
@@ -50,6 +51,7 @@ goes almost entirely to the output layer, and in the minutes a sweep has every s
 
 import itertools
 import json
+import math
 import os
 import runpy
 import subprocess
@@ -88,6 +90,7 @@ long_rate = 0.0           # budget mode: the long schemes' rate past full_grid_u
 report_only = False       # budget mode: tables and plot of the runs finished so far, training nothing
 results_from = ""         # budget mode: a runs.jsonl that a study wrote (docs/runs/budget_study_runs.jsonl): its runs
 #                           count as done here, so that a study goes on on another machine
+checkpoint_minutes = 3.0  # each text run writes ckpt.pt this often, so that a stopped study loses minutes only
 workers = 2               # runs at the same time, one CPU thread each (2 single-threaded runs beat 1 two-threaded)
 escape_margin = 0.1       # nats below the unigram floor that count as having escaped it
 learned_accuracy = 0.9    # depth mode: a run has learned the task when its val accuracy at k = 1 is at least this
@@ -284,8 +287,11 @@ def train(scheme, n_loop, exponent, lr, seed, steps=None):
                     warmup_iters=warmup_iters, max_iters=steps, lr_decay_iters=steps,
                     eval_interval=steps if steps < 10_000 else steps // 10,  # a long run's val curve too
                     eval_iters=eval_iters, log_interval=max(1, steps // 25), seed=seed, device="cpu", dtype=run_dtype,
-                    compile=False, start_over=True)
+                    compile=False, checkpoint_minutes=checkpoint_minutes)
         args.update(variant_settings(scheme))  # a variant may set what every run sets (warmup_iters)
+        # a run stopped part-way (a session's end, SIGTERM) resumes from its checkpoint, bit for bit
+        resumed = os.path.isfile(os.path.join(run_dir, "ckpt.pt"))
+        args.update(dict(init_from="resume") if resumed else dict(start_over=True))
         cmd = [sys.executable, "train.py"] + [f"--{k}={v}" for k, v in args.items()]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     t0 = time.time()
@@ -297,8 +303,12 @@ def train(scheme, n_loop, exponent, lr, seed, steps=None):
     evals = [r for r in records if r["type"] == "eval"]
     final = evals[-1] if proc.returncode == 0 else None  # a diverged run (non-finite loss) has no final eval
     kappa = final["loop"]["kappa"] if final else None
+    start = [r for r in records if r["type"] == "start"]
     result = dict(name=name, scheme=scheme, n_loop=n_loop, exponent=exponent, lr=lr, seed=seed, dtype=run_dtype,
                   steps=steps, seconds=time.time() - t0, val_loss=final["val_loss"] if final else None,
+                  # every machine a run trained on (a resumed run may have moved), and the code it ran
+                  machines=list({json.dumps(r.get("machine")): r.get("machine") for r in start}.values()),
+                  commit=code_commit,
                   val_curve=[(r["iter"], r["val_loss"]) for r in evals],
                   kappa=sum(kappa) / len(kappa) if kappa else None,  # mean over the physical blocks
                   curve=[(r["iter"], r["loss"]) for r in records if r["type"] == "train"])
@@ -374,6 +384,18 @@ def sweep_dtype():
         die(str(e))
 
 
+def git_commit():
+    """The commit of the code the runs train with, '+dirty' when tracked files differ from it; None outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+code_commit = git_commit()
 t_start = time.time()
 grid = [(s, r, p, lr, seed) for s in scheme_list for r in loop_list for p in exponent_list
         for lr in own_rates.get(s, lr_list)
@@ -397,7 +419,7 @@ if mode == "budget" and "dtype" not in given:
 run_dtype, dtype_reason = sweep_dtype()
 print(f"dtype {run_dtype} for every run: {dtype_reason}")
 if mode == "budget":
-    from lab.sweep_budget import check_winner, neighbours, rate_at, report
+    from lab.sweep_budget import rate_at, rate_walk, report
 
     budget_list = number_list("budgets", int)
     if results_from:
@@ -441,22 +463,29 @@ if mode == "budget":
         means = {lr: sum(v) / len(v) for lr, v in means.items() if None not in v}
         return min(means, key=means.get) if means else None
 
+    def long_mean(s, r, lr, steps):
+        """rate_walk's mean_at: the mean over the long seeds of (s, r) at lr, None while one has not run, inf where
+        one diverged"""
+        runs = [results.get((s, r, 0.0, lr, seed, steps)) for seed in long_seed_list]
+        if None in runs:
+            return None
+        losses = [run["val_loss"] for run in runs]
+        return math.inf if None in losses else sum(losses) / len(losses)
+
     def resolve(job):
-        """A planned run (scheme, R, rate, seed, steps), its rate "best", "lower" or "higher" (the neighbours) until
-        the scheme's grid is done, or "checked" until the rate check at the longest budget is, -> the job train()
-        takes, or None while its rate is not known."""
+        """A planned run (scheme, R, rate, seed, steps), its rate "best" until the scheme's grid is done, or "walk<k>"
+        (the k-th rate the rate walk at that budget asks for) until the walk has asked for it, -> the job train()
+        takes, or None while its rate is not known (a walk's job that is never asked for stays None)."""
         s, r, rate, seed, steps = job
         if not isinstance(rate, str):
             return s, r, 0.0, rate, seed, steps
         lr = rate_at(best_rate(s, r), s, steps, dict(long_rate=long_rate, long_schemes=long_list,
                                                      full_grid_until=full_grid_until))
-        if lr is None:
-            return None
-        if rate == "checked":
-            lr = check_winner(lr, lr_list, lambda x: results.get((s, r, 0.0, x, long_seed_list[0], steps)))
-            return None if lr is None else (s, r, 0.0, lr, seed, steps)
-        return s, r, 0.0, {"best": lr, "lower": neighbours(lr, lr_list)[0],
-                           "higher": neighbours(lr, lr_list)[1]}[rate], seed, steps
+        if lr is None or rate == "best":
+            return lr and (s, r, 0.0, lr, seed, steps)
+        _, asked, _ = rate_walk(lr, lr_list, lambda x: long_mean(s, r, x, steps))
+        k = int(rate[len("walk"):])
+        return (s, r, 0.0, asked[k], seed, steps) if k < len(asked) else None
 
     # the plan, most wanted first: the long schemes' grid, then their runs from the longest budget down, then the
     # other schemes' grid and budgets, then the rate checks; a run waits until its scheme's rate is known
@@ -468,13 +497,11 @@ if mode == "budget":
             wide = steps <= full_grid_until
             plan += [(s, r, "best", seed, steps) for s in group if wide or s in long_list for r in loop_list
                      for seed in (seed_list if wide else long_seed_list)]
-    # the lower side first: the best rate falls as the budget grows (docs/text.md), and where long_rate moved a rate
-    # down, the higher side is the grid's own rate, run already
-    plan += [(s, r, side, long_seed_list[0], budget_list[-1]) for side in ("lower", "higher") for s in long_list
-             for r in loop_list] if len(budget_list) > 1 else []
-    # last, the other long seeds at the rate the check found best, where a neighbour beat the chosen rate
-    plan += [(s, r, "checked", seed, budget_list[-1]) for s in long_list for r in loop_list
-             for seed in long_seed_list[1:]] if len(budget_list) > 1 else []
+    # then at every budget past the full grid the rate walk (rate_walk) on every long seed, one loop count at a
+    # time from R = 1 (its runs are the cheapest): the chosen rate's neighbours, then any rate beyond a winner. A walk
+    # of up to 3 moves asks for 6 rates at the most; the jobs it never asks for stay unresolved and do not run.
+    plan += [(s, r, f"walk{k}", seed, steps) for r in loop_list for steps in sorted(budget_list[1:], reverse=True)
+             if steps > full_grid_until for s in long_list for k in range(6) for seed in long_seed_list]
     results = {}
     print(f"budget study: {len(plan)} runs planned, {workers} at a time, into {out_dir}/runs", flush=True)
     if report_only:

@@ -62,6 +62,29 @@ def confirmed_rate(chosen, winner, losses_at):
     return winner if sum(won[k] - kept[k] for k in common) < 0 else chosen
 
 
+def rate_walk(chosen, rates, mean_at, max_moves=3):
+    """The rate a long budget's verdict takes, found on every long seed: the chosen rate and the grid's neighbours on
+    each side run on every seed, the lowest mean wins (the chosen rate on a tie), and where a neighbour won, its own
+    far neighbour runs too, until the best rate's two neighbours are both worse (at most max_moves moves; past the
+    grid's edge, one more step of its spacing, and no further). mean_at(lr): the mean final val loss over the long
+    seeds, None while one of them has not run, inf where one diverged. -> (the best rate so far, the rates the walk
+    has asked for in order, done: True once no rate is still wanted)."""
+    asked, best = [], chosen
+    for _ in range(max_moves + 1):
+        around = [best, *neighbours(best, rates)] if best in rates else [best]
+        for lr in around:
+            if lr not in asked:
+                asked.append(lr)
+        means = {lr: mean_at(lr) for lr in around}
+        if None in means.values():
+            return best, asked, False
+        winner = min(around, key=lambda lr: (means[lr], lr != best))
+        if winner == best or means[winner] == math.inf:
+            return best, asked, True
+        best = winner
+    return best, asked, True
+
+
 def mean_std(values):
     if not values:
         return None
