@@ -15,6 +15,7 @@ overrides a mode's own budget) passes a set as `given`: it receives the keys tha
 """
 
 import ast
+import importlib
 import os
 import sys
 
@@ -25,6 +26,16 @@ def die(message):
     """Stop with a one-line error and exit code 2: no traceback, since the problem is the input, not the code."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def require(*packages):
+    """Import each of the lab's packages named, or stop with one line that names the file installing them: the
+    lesson's requirements.txt leaves them out."""
+    for package in packages:
+        try:
+            importlib.import_module(package)
+        except ImportError as e:
+            die(f"this needs {package}, one of the lab's packages ({e}): pip install -r requirements-lab.txt")
 
 
 def _checked(key, value, config, source):

@@ -52,8 +52,7 @@ from itertools import islice
 import numpy as np
 from tqdm import tqdm
 
-from configurator import die
-from lab import require
+from configurator import die, require
 from dataset import FORMAT, HEADER_BYTES, MAGIC, SPLITS, VERSION, get_tokenizer, load_meta
 
 BATCH_CHARS = 1 << 22  # text handed to the tokenizer at once: large enough to keep every thread busy
