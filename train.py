@@ -27,9 +27,9 @@ from configurator import configure, die
 from dataset import EVAL_SEED, TokenWindows, load_meta
 from model import GPT, GPTConfig
 from prepare_data import prepare_builtin_if_missing
-from runtime import check_device, default_peak_flops, machine, precision, rng_states, set_rng_states, tune_malloc
+from runtime import (check_device, default_peak_flops, flops_per_token, machine, precision, rng_states, set_rng_states,
+                     tune_malloc)
 # the lab's instruments that train.py offers: FLOPs for MFU, sampled loop counts, stream probes, the depth task
-from lab.flops import flops_per_token
 from lab.loops import TrainLoops, TruncatedBackprop
 from lab.probes import loop_diagnostics
 from lab.tasks import (TASKS, accuracy_by_k, best_shortcut, curriculum_hops, describe_accuracy, format_by_k, hits_by_k,

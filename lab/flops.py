@@ -1,6 +1,6 @@
 """
-What a looped GPT costs: training FLOPs per token (the yardstick of MFU in train.py and bench) and the bytes a cached
-decode step must read, with the memory bandwidth that makes them a time (the floor of the benches' decode speed).
+What a looped GPT costs: training FLOPs per token (runtime.flops_per_token, the yardstick of MFU in train.py and
+bench) and the bytes a cached decode step must read, with the memory bandwidth that makes them a time (the floor of the benches' decode speed).
 Counted over the unrolled visits: a loop costs its blocks' compute again although it stores no new weights.
 """
 
@@ -10,36 +10,7 @@ import time
 import torch
 
 from model import GPT
-from runtime import synchronize
-
-
-def matrix_params(modules):
-    """Weights of the matrix products in these modules, the only parameters that cost FLOPs per token (PaLM's
-    accounting, appendix B; biases, norm gains and embedding lookups are left out)."""
-    return sum(p.numel() for module in modules if module is not None for p in module.parameters() if p.dim() >= 2)
-
-
-def flops_per_token(model: GPT, n_loop=None, backprop_loops=0):
-    """Training FLOPs per token of a step that runs n_loop core loops (None: the model's), with gradients through the
-    last backprop_loops of them (0: all; lab.loops.TruncatedBackprop). A matrix product costs 2 FLOPs per weight and
-    token forward and 4 backward; attention's scores and weighted sum 4 * n_embd * block_size forward per visit and
-    twice that backward. Forward: every visit, the prelude and coda once, the output layer once, concat's adapter at
-    each loop after the first. Backward: the visits gradients reach only: the tracked loops, the coda and the output
-    layer always, the adapter in the tracked loops after the first, and the prelude where a tracked loop reads its
-    output (the first loop, or any loop that the input is fed into)."""
-    cfg, t = model.config, model.transformer
-    loops = n_loop or cfg.n_loop
-    tracked = min(backprop_loops, loops) if backprop_loops else loops
-    core, prelude, coda = (matrix_params(blocks) for blocks in (t.h, t.prelude, t.coda))
-    adapter = matrix_params([t.inject.adapter]) if t.inject is not None and t.inject.adapter is not None else 0
-    head = model.lm_head.weight.numel()
-    attention = 4 * cfg.n_embd * cfg.block_size  # per visit, forward
-    prelude_learns = tracked == loops or cfg.loop_input != "none"
-    adapter_runs_tracked = tracked - (tracked == loops)  # the first loop reads the input without the adapter
-    forward = 2 * (core * loops + prelude + coda + head + adapter * (loops - 1)) + attention * cfg.depth(loops)
-    backward = 4 * (core * tracked + coda + head + adapter * adapter_runs_tracked + prelude * prelude_learns) + \
-        2 * attention * (cfg.n_layer * tracked + cfg.n_coda + cfg.n_prelude * prelude_learns)
-    return forward + backward
+from runtime import flops_per_token, synchronize  # noqa: F401  (training FLOPs are the lesson's)
 
 
 def kv_cache_bytes(model: GPT, sequences, positions, element_size, n_loop=None, kv_cache="per_visit"):
