@@ -65,8 +65,13 @@ def declared(namespace):
     return {name for name in names if not name.isupper()}
 
 
-def configure(namespace, argv, given=None):
+def configure(namespace, argv, given=None, extra=None):
+    """extra: the settings of what extends the script (the lab's, under python -m lab.train), set by the same files
+    and overrides, and written back to it as well as to the namespace."""
+    extra = {} if extra is None else extra
+    namespace.update(extra)
     settings = declared(namespace)
+    settings = settings if settings is None else settings | set(extra)
     config = {k: v for k, v in namespace.items() if not k.startswith("_") and isinstance(v, SIMPLE_TYPES)
               and (settings is None or k in settings)}
     for arg in argv:
@@ -94,4 +99,5 @@ def configure(namespace, argv, given=None):
         config[key] = namespace[key] = _checked(key, value, config, f"--{key}")
         if given is not None:
             given.add(key)
+    extra.update({k: namespace[k] for k in extra})
     return config

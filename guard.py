@@ -266,10 +266,11 @@ class CheckpointFile:
 
     def stopped(self, signum, argv, ddp):
         """The line for a run stopped by signum once this file holds its step: the command line argv again, resuming."""
-        command = [argv[0]] + [a for a in argv[1:] if not a.startswith("--init_from=")]
+        program = argv[0] if argv[0].startswith("-m ") else shlex.quote(argv[0])  # a module's "-m lab.train"
+        command = shlex.join(a for a in argv[1:] if not a.startswith("--init_from="))
         launcher = " (launched as this run was)" if ddp else ""
         return (f"stopped by {signal.Signals(signum).name}: {self.path} holds step {self.step}; resume with: "
-                f"python {shlex.join(command)} --init_from=resume{launcher}")
+                f"python {program} {command} --init_from=resume{launcher}".replace("  ", " "))
 
 
 class MetricsLog:

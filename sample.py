@@ -6,10 +6,10 @@ Sample from a trained model, printing the text as it is generated.
     python sample.py --out_dir=out-smoke --n_loop=8          # test-time depth: run 8 loops instead of the trained count
     python sample.py --out_dir=out-smoke --use_cache=False   # recompute the whole context at every step (slower)
     python sample.py --out_dir=out-smoke --compile=True      # compiled decode step: a few graphs, not one per token
-    python sample.py --out_dir=out-smoke-sampled --exit_threshold=1e-3 --n_loop=8   # adaptive exit, at most 8 loops
-    python sample.py --out_dir=out-smoke-sampled --kv_cache=last_loop --n_loop=8    # a cache that does not grow
 
-The samples go to stdout; what was loaded and how fast it ran go to stderr.
+The samples go to stdout; what was loaded and how fast it ran go to stderr. The seam where the lab plugs in:
+`python -m lab.sample` (adaptive exit, a cache that does not grow) runs this file with LAB set to its Lab
+(lab/sample.py), which brings settings of its own and generates the tokens.
 """
 
 import sys
@@ -22,8 +22,8 @@ from runtime import check_device, precision, tune_malloc
 from configurator import configure, die
 from dataset import get_tokenizer, valid_text
 from model import GPT, MAX_LOOPS
-from lab import decode
-from lab.tasks import require_text
+
+LAB = globals().get("LAB")  # the seam (above): lab/sample.py's Lab under python -m lab.sample
 
 out_dir = "out"  # the train.py run to sample from: reads out_dir/ckpt.pt
 start = "\n"  # the prompt, or "FILE:path" to read it from a file; "" starts at a document boundary
@@ -33,15 +33,11 @@ temperature = 0.8  # 1.0 samples the model's distribution; lower is more conserv
 top_k = 200  # sample only among the top_k most likely tokens; 0 keeps them all
 n_loop = 0  # loops over the stack of blocks at test time; 0 runs the count the model was trained with
 use_cache = True  # False recomputes the full context for every new token (for comparison; same output)
-# > 0: adaptive exit (lab.decode.exit_logits): a token stops looping at the first loop whose next-token distribution is
-# within this KL of the previous loop's; n_loop is then the most loops a token runs. The loops used go to stderr.
-exit_threshold = 0.0
-kv_cache = "per_visit"  # the cache layout: per_visit, an entry per unrolled visit (exact); last_loop, one per block
 seed = 1337
 device = "cuda" if torch.cuda.is_available() else "cpu"  # or cpu, cuda:1, mps
 dtype = "auto"  # auto: float32 on a CPU (see below), else the fastest on the device; or float32, bfloat16, float16
 compile = False  # torch.compile the model; pays off only for long samples
-configure(globals(), sys.argv[1:])
+configure(globals(), sys.argv[1:], extra=LAB and LAB.settings)
 tune_malloc()  # before the first large allocation (runtime.tune_malloc)
 
 for name, value in (("num_samples", num_samples), ("max_new_tokens", max_new_tokens), ("top_k", top_k),
@@ -53,12 +49,8 @@ if n_loop > MAX_LOOPS:
         f"{n_loop}")
 if temperature <= 0:
     die(f"--temperature must be > 0, got {temperature} (use --top_k=1 for greedy decoding)")
-if not exit_threshold >= 0:
-    die(f"--exit_threshold must be >= 0 (0 = off), got {exit_threshold}")
-if kv_cache not in decode.KV_CACHES:
-    die(f"--kv_cache must be one of {', '.join(decode.KV_CACHES)}, got {kv_cache!r}")
-if not use_cache and (exit_threshold or kv_cache != "per_visit"):
-    die("--exit_threshold and --kv_cache=last_loop work on the KV cache: drop --use_cache=False")
+if LAB:
+    LAB.configure(globals())
 
 if start.startswith("FILE:"):
     path = start[len("FILE:"):]
@@ -73,7 +65,9 @@ if start.startswith("FILE:"):
 try:
     check_device(device)
     model, checkpoint = GPT.from_checkpoint(f"{out_dir}/ckpt.pt", device)
-    require_text(checkpoint, out_dir)
+    if checkpoint["tokenizer"] not in ("gpt2", "bytes"):  # a task of the lab's: no text to print
+        die(f"{out_dir} was trained on {checkpoint['tokenizer']}, not on text: show its answers with python -m "
+            f"lab.depth_eval --out_dir={out_dir}")
     on_cpu_auto = dtype == "auto" and device.split(":")[0] == "cpu"
     # on a CPU a generation step multiplies a row per sequence by every weight, which autocast would cast to
     # bfloat16 again at every step: float32 (a Zen 5 that trains faster in bfloat16 sampled 108 tokens/s in it, 580
@@ -101,27 +95,15 @@ x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, :]
 
 cfg = model.config
 loops = n_loop or cfg.n_loop
-if exit_threshold and loops == 1:
-    print("warning: adaptive exit at most 1 loop: every token runs that one loop; set --n_loop above 1",
-          file=sys.stderr)
 print(f"{out_dir}/ckpt.pt: {cfg.n_layer} blocks x {cfg.n_loop} loops trained, sampling with "
-      f"{f'adaptive exit at KL {exit_threshold:g}, at most {loops}' if exit_threshold else loops} loops "
-      f"(unrolled depth {cfg.depth(loops)}), kv_cache {kv_cache}, tokenizer {checkpoint['tokenizer']}, "
-      f"iter {checkpoint['iter_num']}, "
-      f"dtype {dtype} ({dtype_reason})", file=sys.stderr)
+      f"{LAB.describe(loops) if LAB else f'{loops} loops'} (unrolled depth {cfg.depth(loops)}), tokenizer "
+      f"{checkpoint['tokenizer']}, iter {checkpoint['iter_num']}, dtype {dtype} ({dtype_reason})", file=sys.stderr)
 del checkpoint  # the optimizer state in it is not needed for sampling
-
-
-def stream():
-    """The sampled tokens one at a time: the model's own generation, or the lab's with adaptive exit or last_loop."""
-    if exit_threshold or kv_cache != "per_visit":
-        return decode.generate_stream(model, x, max_new_tokens, temperature, top_k or None, loops, enc.n_vocab,
-                                      exit_threshold, kv_cache, loops_used)
-    return model.generate_stream(x, max_new_tokens, temperature, top_k or None, loops, use_cache, enc.n_vocab)
-
+generate = LAB.stream if LAB else lambda model, x, tokens, temperature, top_k, loops, vocab_size_limit: \
+    model.generate_stream(x, tokens, temperature, top_k, loops, use_cache, vocab_size_limit)
 
 torch.manual_seed(seed)  # seeded here, so that the samples depend on the seed alone, not on how the model was built
-new_tokens, t0, loops_used = 0, time.time(), []
+new_tokens, t0 = 0, time.time()
 for k in range(num_samples):
     sys.stdout.write(start)
     ids, printed = [], ""
@@ -129,7 +111,7 @@ for k in range(num_samples):
         # Ids from enc.n_vocab up are padding (e.g. GPT-2's 50257 rounded up to 50304 for faster matmuls). They never
         # occur as targets, yet a briefly trained model still gives them some probability, and the tokenizer cannot
         # decode them: vocab_size_limit keeps them from being sampled.
-        for token in stream():
+        for token in generate(model, x, max_new_tokens, temperature, top_k or None, loops, enc.n_vocab):
             ids.append(token.item())
             # Decode everything generated so far and print what is new. A token can end in the middle of a UTF-8
             # character (always possible with the bytes tokenizer, sometimes with GPT-2's byte-level BPE); the
@@ -146,8 +128,5 @@ for k in range(num_samples):
     new_tokens += len(ids)
 dt = time.time() - t0
 print(f"{new_tokens} tokens in {dt:.2f} s ({new_tokens / dt:.1f} tokens/s, use_cache={use_cache})", file=sys.stderr)
-if loops_used:
-    used = torch.cat(loops_used)
-    counts = torch.bincount(used, minlength=loops + 1)
-    print(f"loops per token: mean {used.float().mean():.2f}, " + ", ".join(
-        f"{r}: {n}" for r, n in enumerate(counts.tolist()) if n) + " tokens", file=sys.stderr)
+if LAB:
+    LAB.report(loops)

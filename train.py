@@ -8,6 +8,11 @@ One process (GPU when there is one, else CPU), or several with DDP on GPUs (nccl
 Baselines are overrides:  --residual=deepnorm  (DeepNorm's exponents)  --n_loop=1  (no looping)
 The settings are the module-level variables below, changed by config files and --key=value (configurator.py). A run
 writes ckpt.pt and metrics.jsonl to out_dir; guard.py keeps it safe (SIGTERM: ckpt.pt written, exit code 75).
+
+The seam where the lab plugs in: `python -m lab.train` runs this file with LAB set to its Lab (lab/train.py), which
+brings settings of its own and is asked, where LAB appears below, for batch sources (a task in place of a dataset),
+a training step's loop count and the module that trains, and more numbers for the start and each evaluation. Run as
+`python train.py`, LAB is None: the run is the method alone.
 """
 
 import math
@@ -25,15 +30,12 @@ from tqdm import tqdm
 import guard
 from configurator import configure, die
 from dataset import EVAL_SEED, TokenWindows, load_meta
-from model import GPT, GPTConfig
+from model import GPT, MAX_LOOPS, GPTConfig
 from prepare_data import prepare_builtin_if_missing
 from runtime import (check_device, default_peak_flops, flops_per_token, machine, precision, rng_states, set_rng_states,
                      tune_malloc)
-# the lab's instruments that train.py offers: FLOPs for MFU, sampled loop counts, stream probes, the depth task
-from lab.loops import TrainLoops, TruncatedBackprop
-from lab.probes import loop_diagnostics
-from lab.tasks import (TASKS, accuracy_by_k, best_shortcut, curriculum_hops, describe_accuracy, format_by_k, hits_by_k,
-                       make_task, shortcuts)
+
+LAB = globals().get("LAB")  # the seam (above): lab/train.py's Lab under python -m lab.train
 
 # ---------------------------------------------------------------------------------------------------------------------
 # config; the defaults are a GPT-2-small-wide looped model on OpenWebText (like config/loop_small.py)
@@ -49,12 +51,7 @@ wandb_log = False        # also log to Weights & Biases (needs `pip install wand
 wandb_project = "deeploop"
 wandb_run_name = "run"
 # data
-dataset = "openwebtext"  # folder data/<dataset> from prepare_data.py (builtin, stdlib, *_bytes prepare themselves),
-#                          or a task of lab/tasks.py made on the fly: chains (pointer chains, block_size cells a sequence)
-chain_values = 8         # chains: the values a chain can start with (chance is 1 / chain_values)
-chain_hops = 6           # chains: pointers in the longest chain; accuracy is reported for k = 1 .. chain_hops
-chain_pointers = "absolute"  # chains: absolute (token: the cell's index) or relative (cells back: what RoPE sees)
-chain_curriculum = 0     # chains: training chains grow from 1 pointer to chain_hops over this many steps (0: off)
+dataset = "openwebtext"  # folder data/<dataset> from prepare_data.py (builtin, stdlib, *_bytes prepare themselves)
 # Micro-batches per optimizer step over ALL processes together (as in nanoGPT): each of the W DDP processes runs
 # gradient_accumulation_steps / W of them, so a step sees the same tokens whatever the number of processes.
 gradient_accumulation_steps = 40
@@ -76,16 +73,8 @@ norm_branch_input = False  # Post-LN blocks as x = Norm(alpha * x + f(Norm(x))),
 n_prelude = 0            # blocks run once before the looped core, n_coda once after it (Huginn's prelude and coda):
 n_coda = 0               # unrolled depth n_prelude + n_layer * n_loop + n_coda; loop counts below count core loops
 loop_input = "none"      # none | add | concat (Huginn's adapter): the embedded input fed into every loop (LoopInput)
-# Loop counts for test-time depth (lab.loops.TrainLoops). n_loop stays the count of evaluations and of sample.py
-loop_sampling = "fixed"  # fixed: every step runs n_loop; uniform: loop_min..loop_max; lognormal_poisson: mean loop_mean
-loop_min = 0
-loop_max = 0
-loop_mean = 0.0
-backprop_loops = 0       # gradients through the last this many loops of a step only; 0: through all of them
 coefficient_loops = 0    # alpha, beta (preln_scaled: epsilon) from n_layer * coefficient_loops; 0: n_loop
-# val loss at these loop counts too, e.g. "1,2,3,4"; "": 1 and 2 * n_loop with sampled loop counts, none with fixed
-# ones (each count costs evaluation time); every loop count is at most model.MAX_LOOPS
-eval_loops = ""
+eval_loops = ""          # val loss at these loop counts too (test-time depth), e.g. "1,2,4"; each costs evaluation time
 # AdamW; weight decay applies to matrices only (model.configure_optimizers)
 learning_rate = 6e-4
 max_iters = 600000
@@ -104,8 +93,9 @@ dtype = "auto"           # auto: what the device computes fastest (runtime.choos
 compile = None           # torch.compile; None: on CUDA (faster steps), not elsewhere (minutes of compiling on a CPU)
 seed = 1337
 peak_flops = 0.0         # FLOP/s of one device for MFU; 0: a default for the device (see default_peak_flops)
-chain_defaults = {k: v for k, v in globals().items() if k.startswith("chain_")}  # chain_* mean nothing on text
-config = configure(globals(), sys.argv[1:])
+config = configure(globals(), sys.argv[1:], extra=LAB and LAB.settings)  # the lab's settings with the lesson's
+if LAB:
+    LAB.configure(globals())
 # ---------------------------------------------------------------------------------------------------------------------
 tune_malloc()  # before the first large allocation: freed activations stay in the process (runtime.tune_malloc)
 
@@ -115,17 +105,16 @@ if dtype not in ("auto", "float32", "bfloat16", "float16"):
     die(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
 if min(eval_interval, eval_iters, log_interval, gradient_accumulation_steps, batch_size) < 1:
     die("eval_interval, eval_iters, log_interval, gradient_accumulation_steps and batch_size must all be >= 1")
-if dataset not in TASKS and (chains := [f"{k}={config[k]!r}" for k, v in chain_defaults.items() if config[k] != v]):
-    die(f"chain settings only apply to dataset=chains, not {dataset} ({', '.join(chains)}); leave them at their "
-        f"defaults or use --dataset=chains")
 if not 0 <= seed < 2 ** 31:  # numpy takes no negative seeds, and seed + rank seeds its 32-bit generator
     die(f"seed must be from 0 to 2**31 - 1, got {seed}")
 try:
     check_device(device)
-    train_loops = TrainLoops(loop_sampling, loop_min, loop_max, loop_mean, backprop_loops)
-    eval_loop_counts = train_loops.eval_counts(eval_loops, n_loop)  # val loss at each (n_loop's is val_loss)
 except ValueError as e:
     die(str(e))
+eval_loop_counts = [int(c) if c.strip().isdigit() else 0 for c in eval_loops.split(",") if eval_loops]
+if not all(1 <= c <= MAX_LOOPS for c in eval_loop_counts):
+    die(f"eval_loops must be loop counts from 1 to {MAX_LOOPS} separated by commas, like \"1,2,4\", got {eval_loops!r}")
+eval_loop_counts = sorted({n_loop, *eval_loop_counts})  # val loss at each (n_loop's is val_loss)
 
 # DDP: torchrun starts one process per device and tells each its RANK and WORLD_SIZE (guard.Processes)
 procs = guard.Processes()
@@ -151,12 +140,11 @@ if device_type == "cpu":
 # exact and lets DDP ranks split a step's micro-batches between them. Evaluation windows are fixed and the same in
 # every run on a dataset, whatever its seed, so that runs with other seeds or schemes are compared on the same text;
 # the train-split ones are drawn with a seed that training does not use (EVAL_SEED).
-task = dataset in TASKS  # made on the fly: answers at some positions only, and their accuracy by k at evaluations
 splits = ((seed, "train"), (EVAL_SEED, "train"), (EVAL_SEED, "val"))  # training, and the evaluations' two
+task = LAB and LAB.data(splits)  # a task's batch sources and meta, made on the fly
 try:
     if task:
-        train_data, train_eval_data, val_data = (make_task(globals(), split, s) for s, split in splits)
-        meta = dict(tokenizer=val_data.name, vocab_size=val_data.vocab_size)
+        (train_data, train_eval_data, val_data), meta = task
     else:
         # builtin and builtin_bytes are made here when missing (by the master; the others wait for it)
         procs.on_master(lambda: prepare_builtin_if_missing(dataset))
@@ -194,10 +182,16 @@ else:
             f"resume with the run's chain settings" if task else f"{ckpt_path} was trained on "
             f"{checkpoint['tokenizer']} tokens but data/{dataset} holds {meta['tokenizer']} tokens; resume with the "
             f"dataset it was trained on")
-    # the model's settings against the loaded model's config (a checkpoint older than a setting means its default),
-    # the loop counts against the run's config (a checkpoint older than them trained at fixed n_loop)
-    saved = {**vars(TrainLoops()), **checkpoint["config"], **vars(raw_model.config)}
-    changed = [f"{k}={v!r} (checkpoint: {saved[k]!r})" for k, v in {**model_args, **vars(train_loops)}.items()
+    # a run the lab changed resumes under the lab only (a checkpoint from before the seam: train.py's loop settings)
+    lab_changes = checkpoint.get("lab", {k: v for k, v in checkpoint["config"].items()
+                                         if k in ("loop_sampling", "backprop_loops") and v not in ("fixed", 0)})
+    if lab_changes and not LAB:
+        die(f"{ckpt_path} was trained with the lab's {', '.join(f'{k}={v!r}' for k, v in lab_changes.items())}; "
+            f"resume it with python -m lab.train and the run's settings")
+    # the model's settings against the loaded model's config, the lab's against the run's config (a checkpoint older
+    # than a setting means its default)
+    saved = {**(LAB.defaults if LAB else {}), **checkpoint["config"], **vars(raw_model.config)}
+    changed = [f"{k}={v!r} (checkpoint: {saved[k]!r})" for k, v in {**model_args, **(LAB.settings if LAB else {})}.items()
                if saved[k] != v]
     if changed:
         die(f"resuming {ckpt_path} with another model: {', '.join(changed)}; use the run's config unchanged")
@@ -227,9 +221,11 @@ if init_from == "resume":
 if compile:
     raw_model.compile_blocks()  # in place, every block and the loss: one graph serves every loop count
 # training runs model, evaluation raw_model (no DDP collectives). DDP must know when a step may leave parameters
-# without a gradient: the earlier loops' under backprop_loops, LoopInput's at a step of one loop (it feeds loops 2 on)
-unused = backprop_loops > 0 or loop_input != "none" and train_loops.bounds(n_loop)[0] == 1
-trained = TruncatedBackprop(raw_model, backprop_loops) if backprop_loops else raw_model  # lab.loops: Huginn's
+# without a gradient: LoopInput's at a step of one loop (it feeds loops 2 on), the earlier loops' under the lab's
+# truncated backprop
+fewest_loops, most_loops = LAB.loop_bounds if LAB else (n_loop, n_loop)  # what a training step may run
+unused = loop_input != "none" and fewest_loops == 1 or bool(LAB and LAB.backprop_loops)
+trained = LAB.wrap(raw_model) if LAB else raw_model
 model = DDP(trained, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None,
             find_unused_parameters=unused) if ddp else trained
 
@@ -241,43 +237,33 @@ def save_checkpoint(evaluated):
         program="deeploop-train", model=raw_model.state_dict(), model_args=model_args, tokenizer=meta["tokenizer"],
         optimizer=optimizer.state_dict(), scaler=scaler.state_dict() if scaler.is_enabled() else None,
         iter_num=iter_num, best_val_loss=best_val_loss, evaluated=evaluated, config={k: globals()[k] for k in config},
-        rng=rng))
+        rng=rng, lab=LAB.changed() if LAB else {}))
 
 
 @torch.no_grad()
 def estimate_loss():
     """Mean loss over eval_iters fixed batches per split, train at n_loop and val at each of eval_loop_counts (test-time
-    depth), the batches shared out among DDP processes -> (losses, accuracy): losses = dict(train=, val= (at n_loop),
-    val_by_loops={loops: loss}); on a task, the val split's accuracy by k at each loop count ({loops: {"1": accuracy,
-    ...}}, the answer being the most likely token), else None. (None, None): a signal came, and every process left
-    at the same batch (an evaluation can take minutes; a scheduler's grace period is one step and a write)."""
+    depth), the batches shared out among DDP processes -> dict(train=, val= (at n_loop), val_by_loops={loops: loss}).
+    None: a signal came, and every process left at the same batch (an evaluation can take minutes; a scheduler's grace
+    period is one step and a write)."""
     raw_model.eval()
-    losses, accuracy = {}, None
+    losses = {}
     for split, data, loop_counts in (("train", train_eval_data, [n_loop]), ("val", val_data, eval_loop_counts)):
         totals = torch.zeros(len(loop_counts), device=device)
-        hits, counts = (torch.zeros(len(loop_counts), chain_hops + 1, dtype=torch.float64) for _ in range(2))
         for first in range(0, eval_iters, world_size):  # as many rounds on every process, a batch each
             if procs.agree(stop.signum)[0]:
                 raw_model.train()
-                return None, None
+                return None
             if (index := first + rank) >= eval_iters:
                 continue
-            x, y = data.batch(index, batch_size)
-            inputs = to_device((x, y))
+            inputs = to_device(data.batch(index, batch_size))
             for i, loops in enumerate(loop_counts):
                 with autocast:
-                    logits, loss = raw_model(*inputs, n_loop=loops)
-                totals[i] += loss.float()
-                if task and split == "val":
-                    batch_hits, batch_counts = hits_by_k(val_data, logits.argmax(-1).cpu(), x, y)
-                    hits[i], counts[i] = hits[i] + batch_hits, counts[i] + batch_counts
+                    totals[i] += raw_model(*inputs, n_loop=loops)[1].float()
         losses[split + "_by_loops"] = dict(zip(loop_counts, (procs.all_reduce(totals) / eval_iters).tolist()))
         losses[split] = losses[split + "_by_loops"][n_loop]
-        if task and split == "val":
-            hits, counts = torch.tensor(procs.gather((hits.tolist(), counts.tolist())), dtype=torch.float64).sum(0)
-            accuracy = {loops: accuracy_by_k(h, c) for loops, h, c in zip(loop_counts, hits, counts)}
     raw_model.train()
-    return losses, accuracy
+    return losses
 
 
 def get_lr(it):
@@ -299,24 +285,17 @@ def log(record):
         wandb.log({f"{record['type']}/{k}": v for k, v in numbers.items()}, step=record["iter"])
 
 
-def log_eval(losses, accuracy):
-    """An evaluation's line and record, with the loop diagnostics (lab.probes) on the first train-eval batch
-    (the same at every evaluation), eager, since torch.compile need not see its visit-by-visit run. Not in float16: its
-    gradients, taken without loss scaling, would underflow in the early visits; float32 instead."""
-    raw_model.eval()  # no dropout: the diagnostics are deterministic and draw no random numbers
-    with autocast if dtype != "float16" else nullcontext(), torch.compiler.set_stance("force_eager"):
-        diagnostics = loop_diagnostics(raw_model, *to_device(train_eval_data.batch(0, batch_size)))
-    raw_model.train()
-    kappa, by_loops = diagnostics["kappa"], losses["val_by_loops"]
+def log_eval(losses):
+    """An evaluation's line and record, with the lab's numbers where it runs (LAB.evaluate: kappa_R, a task's
+    accuracy)."""
+    by_loops = losses["val_by_loops"]
+    record, said, lines = LAB.evaluate(raw_model, by_loops) if LAB else ({}, "", [])
     depth = f"; val loss at {'/'.join(map(str, by_loops))} loops " \
             f"{'/'.join(f'{loss:.3f}' for loss in by_loops.values())}" if len(by_loops) > 1 else ""
-    tqdm.write(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, kappa_R (R={n_loop}) "
-               f"min {min(kappa):.2f} mean {sum(kappa) / len(kappa):.2f} max {max(kappa):.2f}{depth}")
-    if task:
-        tqdm.write(describe_accuracy(accuracy, n_loop))
+    tqdm.write("\n".join([f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{said}{depth}",
+                          *lines]))
     log(dict(type="eval", iter=iter_num, tokens=iter_num * tokens_per_iter, train_loss=losses["train"],
-             val_loss=losses["val"], val_loss_by_loops=by_loops, loop=diagnostics,
-             **(dict(accuracy=accuracy[n_loop], accuracy_by_loops=accuracy) if task else {})))
+             val_loss=losses["val"], val_loss_by_loops=by_loops, **record))
 
 
 def start_logs():
@@ -335,22 +314,14 @@ def start_logs():
           f"({meta['tokenizer']}), {tokens_per_iter:,} tokens per step on {world_size} x {device} in {dtype}, "
           f"MFU against {peak_flops:.3g} FLOP/s per device ({peak_source})")
     print(f"dtype {dtype}: {dtype_reason}")
-    if batch_size < 2:
-        print("note: batch_size=1 leaves the stream probes (lab.probes) no sequence to score on: none are recorded")
-    if loop_sampling != "fixed" or backprop_loops:
-        print(f"training loop counts: {loop_sampling}, mean {train_loops.mean or n_loop:g}"
-              f"{f', backprop through the last {backprop_loops}' if backprop_loops else ''}; evaluation at {n_loop}")
-    if loop_input != "none" and train_loops.bounds(n_loop)[1] == 1:  # useless, not wrong: the run trains without it
+    if loop_input != "none" and most_loops == 1:  # useless, not wrong: the run trains without it
         print(f"warning: loop_input={loop_input} never trains: every step runs one loop, and the input is fed into "
               f"loops 2 on (model.LoopInput); use --loop_input=none or more loops", file=sys.stderr)
-    task_record = {}
-    if task:  # guesses that do not follow the chains, scored on the evaluation's own val batches
-        x, y = (torch.cat(t) for t in zip(*(val_data.batch(index, batch_size) for index in range(eval_iters))))
-        task_record = dict(shortcuts=shortcuts(val_data, x, y))
-        print(f"{val_data.name}: chance {1 / chain_values:.3f}; the best shortcut (not following the chains) by k = "
-              f"1..{chain_hops}: {format_by_k(best_shortcut(task_record['shortcuts']))}")
+    lab_record, lines = LAB.start() if LAB else ({}, [])
+    for line in lines:
+        print(line)
     log(dict(type="start", iter=iter_num, resumed=init_from == "resume", params=n_params, world_size=world_size,
-             config={k: globals()[k] for k in config}, machine=machine(), **task_record))
+             config={k: globals()[k] for k in config}, machine=machine(), **lab_record))
 
 
 procs.on_master(start_logs)
@@ -383,14 +354,14 @@ while True:
     # resumed run's first step, when the run that wrote the checkpoint has done and logged its evaluation.
     if eval_due and not (ckpt.step == iter_num and evaluated):
         pending.read()  # a non-finite train loss is named first, before the evaluation it spoils
-        losses, accuracy = estimate_loss()
+        losses = estimate_loss()
         if losses is None:  # stopped by a signal: the next pass writes this step, unevaluated, and stops
             continue
         pending.check(iter_num, {f"{split} loss": losses[split] for split in ("train", "val")})
         best_val_loss = min(best_val_loss, losses["val"])  # travels in the checkpoint for information
         save_checkpoint(evaluated=True)
         if master:
-            log_eval(losses, accuracy)
+            log_eval(losses)
         window_start, window_steps, window_flops = time.perf_counter(), 0, 0  # evaluation time is not in tokens/s, MFU
         # a signal during the diagnostics or the write stops here: ckpt.pt holds this step, and another step would
         # mean another write within the scheduler's grace period
@@ -404,11 +375,10 @@ while True:
     for group in optimizer.param_groups:
         group["lr"] = lr
     loss_sum = torch.zeros((), device=device)
-    step_loops = train_loops.draw(seed, iter_num) or n_loop  # the same on every process and micro-batch
+    step_loops = LAB and LAB.step_loops(iter_num) or n_loop  # the same on every process and micro-batch
     for micro in range(accum_steps):
         index = iter_num * gradient_accumulation_steps + rank * accum_steps + micro
-        x, y = to_device(train_data.batch(index, batch_size, curriculum_hops(iter_num, chain_curriculum, chain_hops))
-                         if task else train_data.batch(index, batch_size))
+        x, y = to_device(train_data.batch(index, batch_size))
         # DDP averages gradients over processes in backward; only the last micro-batch's backward needs to
         with model.no_sync() if ddp and micro < accum_steps - 1 else nullcontext():
             with autocast:
@@ -423,9 +393,9 @@ while True:
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
 
-    # MFU counts the loops each step ran, the backward pass over its tracked loops only (lab.flops)
+    # MFU counts the loops each step ran, the backward pass over its tracked loops only (runtime.flops_per_token)
     window_steps += 1
-    window_flops += flops_per_token(raw_model, step_loops, backprop_loops) * tokens_per_iter
+    window_flops += flops_per_token(raw_model, step_loops, LAB.backprop_loops if LAB else 0) * tokens_per_iter
     if iter_num % log_interval == 0 or len(pending) >= 100:  # 100: the NaN guard looks at least that often
         loss_value = pending.read()[iter_num]
         if master and iter_num % log_interval == 0:

@@ -1,9 +1,9 @@
 # Depth you can see on a laptop: a looped model on pointer chains (tasks.py), where an answer k pointers away needs
 # about k sequential steps, so loops pay. Each evaluation logs the val accuracy by k (metrics.jsonl: "accuracy"),
 # next to the best shortcut that does not follow the chains (printed at the start; metrics.jsonl: "shortcuts").
-#   python train.py config/depth_cpu.py
-#   python train.py config/depth_cpu.py --n_loop=1                 # the same two blocks, run once: fails at larger k
-#   python train.py config/depth_cpu.py --n_layer=8 --n_loop=1     # the untied control: 4x the parameters
+#   python -m lab.train config/depth_cpu.py
+#   python -m lab.train config/depth_cpu.py --n_loop=1                 # the same two blocks, run once: fails at larger k
+#   python -m lab.train config/depth_cpu.py --n_layer=8 --n_loop=1     # the untied control: 4x the parameters
 out_dir = "out-depth"
 dataset = "chains"
 chain_values = 8

@@ -3,7 +3,7 @@
 # model works at every loop count up to 8 and its answers settle as the loops go on. A cell k pointers from its
 # value needs about k loops; adaptive exit (depth_eval.py --exit_thresholds) should spend few on k = 1 and many on
 # k = 6. Measurements: docs/test_time_depth.md.
-#   python train.py config/depth_sampled_cpu.py
+#   python -m lab.train config/depth_sampled_cpu.py
 #   python -m lab.depth_eval --out_dir=out-depth-sampled --loops=1,2,4,8 --exit_thresholds=1e-3,1e-2,1e-1
 out_dir = "out-depth-sampled"
 dataset = "chains"

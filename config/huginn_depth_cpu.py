@@ -2,9 +2,9 @@
 # blocks looped 3 times, a coda block run once (unrolled depth 1 + 2 x 3 + 1 = 8, depth_cpu's 2 x 4), and the
 # prelude's output fed into every loop through Huginn's adapter on [state, input] (model.LoopInput, [I | 0] at init):
 # every loop reads the cells' tokens again. The same steps and depth as depth_cpu. Took 1 min 45 s on 2 quiet cores.
-#   python train.py config/huginn_depth_cpu.py
-#   python train.py config/huginn_depth_cpu.py --residual=deeploop    # Post-LN blocks, which fail depth_cpu looped
-#   python train.py config/huginn_depth_cpu.py --loop_input=none      # without the injection
+#   python -m lab.train config/huginn_depth_cpu.py
+#   python -m lab.train config/huginn_depth_cpu.py --residual=deeploop    # Post-LN blocks, which fail depth_cpu looped
+#   python -m lab.train config/huginn_depth_cpu.py --loop_input=none      # without the injection
 #   python -m lab.depth_eval --out_dir=out-huginn-depth --loops=1,2,3,6   # test-time depth counts core loops
 out_dir = "out-huginn-depth"
 dataset = "chains"

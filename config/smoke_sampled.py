@@ -3,7 +3,7 @@
 # the 2 it evaluates at. The same compute as smoke_cpu: the same steps at the same mean loop count. Each evaluation
 # also reports val loss at 1, 2 and 4 loops (metrics.jsonl, plot.py; --eval_loops=1,2,3,4,5,6,7,8 for more, at more
 # evaluation time). Measurements: docs/test_time_depth.md.
-#   python train.py config/smoke_sampled.py
+#   python -m lab.train config/smoke_sampled.py
 #   python sample.py --out_dir=out-smoke-sampled --start="The " --n_loop=4
 out_dir = "out-smoke-sampled"
 dataset = "builtin_bytes"

@@ -5,8 +5,8 @@ Adaptive exit (Huginn's KL criterion, Geiping et al. 2025): each position stops 
 next-token distribution is within a KL threshold of the previous loop's. kv_cache=last_loop (Ouro's decoding): the
 visits of a core block share one cache entry, so the cache has the size of an unlooped model's.
 
-    python sample.py --out_dir=out-smoke-sampled --exit_threshold=1e-3 --n_loop=8
-    python sample.py --out_dir=out-smoke-sampled --kv_cache=last_loop --n_loop=8
+    python -m lab.sample --out_dir=out-smoke-sampled --exit_threshold=1e-3 --n_loop=8
+    python -m lab.sample --out_dir=out-smoke-sampled --kv_cache=last_loop --n_loop=8
     python -m lab.exit_eval --out_dir=out-depth-sampled      # loss and accuracy against the mean loops
 
 Built on GPT's embed, loop and readout; a library module (bad settings raise ValueError).

@@ -6,10 +6,10 @@ minutes on one GPU (it has not yet run on a GPU: none was available to this proj
     python -m lab.gpu_check --dataset=fineweb_edu    # on your prepared data instead of the builtin corpus
 
 Each check runs the project's own scripts as a separate process, exactly as a user would:
-    train     train.py config/paper_small.py --n_loop=3 for train_iters steps: training tokens/s and MFU (the median
+    train     lab.train (train.py) config/paper_small.py --n_loop=3 for train_iters steps: training tokens/s and MFU (the median
               over the second half of the steps, after compilation), then train.py's evaluation pass (val loss over
               eval_iters batches, and the loop diagnostics) and the checkpoint it writes
-    resume    train.py --init_from=resume on that checkpoint for resume_iters more steps, compiled again
+    resume    lab.train --init_from=resume on that checkpoint for resume_iters more steps, compiled again
     generate  bench.py on the trained model's settings: new tokens/s with and without the KV cache (uncompiled, as
               sample.py runs by default)
     torchrun  with nproc >= 2 (default: every visible GPU), the train check under torchrun on nproc processes, each
@@ -113,7 +113,7 @@ def checkpoint_step(run_dir):
 
 
 python = sys.executable
-train_py, bench = os.path.join(ROOT, "train.py"), ["-m", "lab.bench"]
+train_py, bench = ["-m", "lab.train"], ["-m", "lab.bench"]  # train.py, with kappa_R recorded (lab/train.py)
 train_dir, torchrun_dir = os.path.join(out_dir, "train"), os.path.join(out_dir, "torchrun")
 machine = torch.cuda.get_device_name(device) if device.startswith("cuda") else f"{device} ({os.cpu_count()} cores)"
 print(f"gpu_check: {config_file} R={n_loop}{' (dry: tiny model)' if dry else ''}, {dtype}"
@@ -144,7 +144,7 @@ single = {}
 
 
 def train_check():
-    seconds, _ = run("train", [python, train_py, *train_args(train_dir, 1)])
+    seconds, _ = run("train", [python, *train_py, *train_args(train_dir, 1)])
     single["tokens_per_sec"], mfu = speed(train_dir, "train")
     return f"{single['tokens_per_sec']:,.0f} tokens/s, MFU {mfu:.1%} (median of steps {train_iters // 2}-" \
            f"{train_iters - 1}), {seconds:.0f} s with compilation and evaluation"
@@ -162,7 +162,7 @@ def eval_check():
 
 def resume_check():
     end = train_iters + resume_iters
-    seconds, _ = run("resume", [python, train_py, *train_args(train_dir, 1), "--init_from=resume",
+    seconds, _ = run("resume", [python, *train_py, *train_args(train_dir, 1), "--init_from=resume",
                                 f"--max_iters={end}"])
     if checkpoint_step(train_dir) != end:
         raise CheckFailed("resume", [], f"ckpt.pt is not at step {end} after resuming")
@@ -187,7 +187,7 @@ def generate_check():
 
 def torchrun_check():
     seconds, _ = run("torchrun", [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                                  train_py, *train_args(torchrun_dir, nproc)])
+                                  *train_py, *train_args(torchrun_dir, nproc)])
     tokens_per_sec, mfu = speed(torchrun_dir, "torchrun")
     return f"{nproc} processes: {tokens_per_sec:,.0f} tokens/s, MFU {mfu:.1%} of {nproc} devices, " \
            f"{tokens_per_sec / single['tokens_per_sec'] / nproc:.0%} of {nproc} x one process, {seconds:.0f} s"

@@ -4,8 +4,8 @@ for test-time depth. A model trained at one loop count gets worse at every other
 random runs more loops at test time (Geiping et al. 2025, "Scaling up Test-Time Compute with Latent Reasoning: A
 Recurrent Depth Approach", the Huginn model). train.py takes both as settings:
 
-    python train.py config/smoke_sampled.py     # loop_sampling=lognormal_poisson, loop_mean=2
-    python train.py config/huginn_cpu.py --backprop_loops=1
+    python -m lab.train config/smoke_sampled.py     # loop_sampling=lognormal_poisson, loop_mean=2
+    python -m lab.train config/huginn_cpu.py --backprop_loops=1
 
 A library module: bad settings raise ValueError naming the fix.
 """

@@ -1,7 +1,7 @@
 """
 Training curves of train.py runs, side by side in one PNG: train and val loss against tokens seen, and kappa_R of
-each physical block at every evaluation (1: the visits' gradients are orthogonal; n_loop: they all point one way);
-below them test-time depth: val loss at each evaluated loop count (train.py's eval_loops) against tokens, and against
+each physical block at every evaluation where python -m lab.train recorded it (1: the visits' gradients are
+orthogonal; n_loop: they all point one way); below them test-time depth: val loss at each evaluated loop count (train.py's eval_loops) against tokens, and against
 the loop count at the last evaluation.
 
     python -m lab.plot out-smoke
@@ -115,8 +115,9 @@ if __name__ == "__main__":
         ax_loss.plot([r["tokens"] for r in train], [r["loss"] for r in train], color=color, alpha=0.35, lw=1)
         ax_loss.plot([r["tokens"] for r in evals], [r["val_loss"] for r in evals], "o-", color=color, ms=3,
                      label=f"{label}: val (train: pale)")
-        for block in range(config["n_layer"]):
-            ax_kappa.plot([r["tokens"] for r in evals], [r["loop"]["kappa"][block] for r in evals], "o-", color=color,
+        probed = [r for r in evals if "loop" in r]  # python -m lab.train records them, train.py alone does not
+        for block in range(config["n_layer"] if probed else 0):
+            ax_kappa.plot([r["tokens"] for r in probed], [r["loop"]["kappa"][block] for r in probed], "o-", color=color,
                           ms=3, alpha=1 - 0.6 * block / config["n_layer"],
                           label=f"{label}: blocks 0-{config['n_layer'] - 1}" if block == 0 else None)
         if evals and "accuracy" in evals[-1]:
@@ -125,7 +126,7 @@ if __name__ == "__main__":
                             label=f"{label}, step {evals[-1]['iter']}")
             shortcut = best_shortcut(kinds["start"][-1]["shortcuts"])
             ax_task[0].plot([int(k) for k in ks], [shortcut[k] for k in ks], "--", color=color, lw=1)
-        if evals and "token_probe" in evals[-1]["loop"]:
+        if evals and "token_probe" in evals[-1].get("loop", {}):
             probes[label] = evals[-1]["loop"]
             for what, style in (("token_probe", "o-"), ("position_probe", "s--")):
                 values = evals[-1]["loop"][what]
@@ -145,7 +146,7 @@ if __name__ == "__main__":
             ax_last.plot(sorted(map(int, last)), [last[loops] for loops in sorted(last, key=int)], "o-",
                          color=color, ms=4, label=f"{label}: step {evals[-1]['iter']}")
     ax_loss.set(xlabel="tokens", ylabel="loss (nats)", title="train and val loss")
-    ax_kappa.set(xlabel="tokens", ylabel="kappa_R", title="kappa_R per block (paler: later blocks)")
+    ax_kappa.set(xlabel="tokens", ylabel="kappa_R", title="kappa_R per block (paler: later blocks; python -m lab.train)")
     ax_depth.set(xlabel="tokens", ylabel="val loss (nats)", title="val loss at each test-time loop count (paler: more)")
     ax_last.set(xlabel="loop count at test time", ylabel="val loss (nats)", title="test-time depth, last evaluation")
     if task_runs:

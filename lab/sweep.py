@@ -1,6 +1,7 @@
 """
-The paper's experiments at CPU scale. Every run is a plain `python train.py --key=value ...` in a subprocess, so what
-is measured here is exactly what train.py does. Three modes share the runs, the escape rule, the tables and the plots:
+The paper's experiments at CPU scale. Every run is a plain `python -m lab.train --key=value ...` (train.py with
+kappa_R recorded) in a subprocess, so what is measured here is exactly what train.py does. Three modes share the
+runs, the escape rule, the tables and the plots:
 
     python -m lab.sweep --mode=exponent   # Appendix C: DeepLoop's exponent p from 0.25 (DeepNorm) to 1 at R = 3, 5 seeds
     python -m lab.sweep --mode=lr         # each scheme at its own best learning rate, R = 1 and R = 3, 3 seeds
@@ -279,7 +280,7 @@ def train(scheme, n_loop, exponent, lr, seed, steps=None):
                     n_loop=1 if untied else n_loop, learning_rate=lr, min_lr=lr / 10, seed=seed, device="cpu",
                     dtype=run_dtype, compile=False, start_over=True, **variant_settings(scheme))
         args.update(lr_decay_iters=args["max_iters"], eval_interval=args["max_iters"])
-        cmd = [sys.executable, "train.py", DEPTH_CONFIG] + [f"--{k}={v}" for k, v in args.items()]
+        cmd = [sys.executable, "-m", "lab.train", DEPTH_CONFIG] + [f"--{k}={v}" for k, v in args.items()]
     else:
         args = dict(out_dir=run_dir, dataset=dataset, residual=residual, residual_exponent=exponent, n_layer=n_layer,
                     n_loop=n_loop, n_head=n_head, n_embd=n_embd, block_size=block_size, batch_size=batch_size,
@@ -292,7 +293,7 @@ def train(scheme, n_loop, exponent, lr, seed, steps=None):
         # a run stopped part-way (a session's end, SIGTERM) resumes from its checkpoint, bit for bit
         resumed = os.path.isfile(os.path.join(run_dir, "ckpt.pt"))
         args.update(dict(init_from="resume") if resumed else dict(start_over=True))
-        cmd = [sys.executable, "train.py"] + [f"--{k}={v}" for k, v in args.items()]
+        cmd = [sys.executable, "-m", "lab.train"] + [f"--{k}={v}" for k, v in args.items()]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

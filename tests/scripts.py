@@ -5,9 +5,12 @@ most tests run a script for a fraction of a second after that. run_script runs i
 forked from this process (torch already imported), for tests that signal or kill a run. Tests of what a real
 process does at its own start and end (DDP, torch.compile's caches) still start a new one. In-process, forked and
 subprocess runs give the same numbers: conftest.py sets the one thread that the tests' subprocesses use.
+A script "-m lab.train" (or "-m lab.sample") runs the lesson's train.py (sample.py) with the lab's Lab as its LAB, as
+the lab's entry point does.
 """
 
 import contextlib
+import importlib
 import io
 import os
 import signal
@@ -21,6 +24,17 @@ import torch
 from tqdm import tqdm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def entry(script):
+    """(the file to run, its sys.argv[0], its namespace) of a script: a file of the repo, or "-m lab.train" and
+    "-m lab.sample", the lesson's script with the lab's Lab as its LAB."""
+    module = script[len("-m "):] if script.startswith("-m ") else None
+    path = os.path.join(ROOT, module.split(".")[-1] + ".py" if module else script)
+    namespace = {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__}
+    if module:
+        namespace["LAB"] = importlib.import_module(module).Lab()
+    return path, script if module else path, namespace
 
 
 def execute(path, namespace):
@@ -44,16 +58,15 @@ def execute(path, namespace):
 def run_script(script, *args, cwd=ROOT, env=None):
     """python <script> <args> in cwd, here -> subprocess.CompletedProcess (returncode, stdout, stderr), as
     subprocess.run(..., capture_output=True, text=True) gives it. env: variables set for the run, then put back."""
-    path = os.path.join(ROOT, script)
+    path, argv0, namespace = entry(script)
     saved_cwd, saved_argv, saved_env = os.getcwd(), sys.argv, dict(os.environ)
     saved_handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     out, err = io.StringIO(), io.StringIO()
-    # the script's globals: kept here so that what it leaves open (train.py's lock file) is closed below, also
-    # when it ends by sys.exit
-    namespace = {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__}
+    # the script's globals (namespace): kept here so that what it leaves open (train.py's lock file) is closed below,
+    # also when it ends by sys.exit
     try:
         os.chdir(cwd)
-        sys.argv = [path, *map(str, args)]
+        sys.argv = [argv0, *map(str, args)]
         os.environ.update(env or {})
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = execute(path, namespace)
@@ -78,7 +91,7 @@ class Started:
 
     def __init__(self, script, *args, cwd, log, env=None):
         self.log, self.returncode = log, None
-        path = os.path.join(ROOT, script)
+        path, argv0, namespace = entry(script)
         self.pid = os.fork()
         if self.pid:
             return
@@ -89,13 +102,13 @@ class Started:
             sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)  # not pytest's capture
             os.chdir(cwd)
             os.environ.update(env or {})
-            sys.argv = [path, *map(str, args)]
+            sys.argv = [argv0, *map(str, args)]
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as in a new python until the script sets its own
             signal.signal(signal.SIGINT, signal.default_int_handler)
             # a lock of its own for tqdm's progress lines: tqdm's default one is a semaphore shared with this process,
             # and a child killed while writing a line would leave it held, hanging the next run here for good
             tqdm.set_lock(threading.RLock())
-            code = execute(path, {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__})
+            code = execute(path, namespace)
         except BaseException:
             traceback.print_exc()
         finally:

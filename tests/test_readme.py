@@ -33,10 +33,10 @@ SHORT = {
     # 1,200 steps, ~2 min: 20 steps and an evaluation on 2 batches, which writes the checkpoint that the later
     # commands read
     "python train.py config/smoke_cpu.py": SHORT_TRAINING,
-    "python train.py config/smoke_sampled.py": SHORT_TRAINING,
+    "python -m lab.train config/smoke_sampled.py": SHORT_TRAINING,
     # 1,500 steps, ~1 min each
-    "python train.py config/depth_cpu.py": SHORT_TRAINING,
-    "python train.py config/depth_sampled_cpu.py": SHORT_TRAINING,
+    "python -m lab.train config/depth_cpu.py": SHORT_TRAINING,
+    "python -m lab.train config/depth_sampled_cpu.py": SHORT_TRAINING,
     # 3 samples of 500 bytes through 4 loops, ~15 s each (sample.py's dtype=auto takes bfloat16 on this CPU)
     'python sample.py --out_dir=out-smoke --start="The " --n_loop=4': ["--max_new_tokens=50"],
     'python sample.py --out_dir=out-smoke-sampled --start="The " --n_loop=4': ["--max_new_tokens=50"],

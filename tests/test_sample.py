@@ -56,7 +56,10 @@ def test_auto_precision_on_a_cpu_samples_in_float32(bytes_run):
 
 
 def sample(out_dir, *args):
-    result = run("sample.py", f"--out_dir={out_dir}", "--device=cpu", "--dtype=float32", *args)
+    """sample.py's stdout; under python -m lab.sample where an argument is one of the lab's settings."""
+    lab = any(a.startswith(("--exit_threshold=", "--kv_cache=")) for a in args)
+    result = run("-m lab.sample" if lab else "sample.py", f"--out_dir={out_dir}", "--device=cpu", "--dtype=float32",
+                 *args)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -184,7 +187,7 @@ def test_adaptive_exit_reports_the_loops_each_token_used(bytes_run, monkeypatch)
     """Against a model whose loops agree after 2 (agreeing_loops.agree_after): every token takes 3 loops."""
     args = ("--start=The ", "--num_samples=2", "--max_new_tokens=30", "--top_k=1", "--n_loop=6")
     agree_after(monkeypatch, 2)
-    result = run("sample.py", f"--out_dir={bytes_run}", "--device=cpu", "--dtype=float32", *args,
+    result = run("-m lab.sample", f"--out_dir={bytes_run}", "--device=cpu", "--dtype=float32", *args,
                  "--exit_threshold=1e-9")
     assert result.returncode == 0, result.stderr
     assert "sampling with adaptive exit at KL 1e-09, at most 6 loops" in result.stderr
@@ -207,7 +210,7 @@ def test_exit_every_kl_passes_is_one_loop_and_last_loop_at_one_loop_is_per_visit
     (["--n_loop=-1", "--exit_threshold=1e-3"], "--n_loop must be >= 0, got -1"),
 ])
 def test_bad_exit_and_cache_settings_are_one_line_errors(bytes_run, setting, message):
-    result = run("sample.py", f"--out_dir={bytes_run}", "--device=cpu", *setting)
+    result = run("-m lab.sample", f"--out_dir={bytes_run}", "--device=cpu", *setting)
     assert (result.returncode, result.stdout, result.stderr) == (2, "", f"error: {message}\n")
 
 
@@ -216,7 +219,7 @@ FIXTURE = os.path.join(ROOT, "tests", "fixtures", "ckpt_plain_before_lab.pt")  #
 EARLY = {"test_compiled_adaptive_exit_runs_every_block_compiled": lambda folder: [
     ["-c", f"import os, shutil; os.mkdir({str(folder / 'run')!r}); shutil.copy({FIXTURE!r}, "
            f"{str(folder / 'run' / 'ckpt.pt')!r})"],
-    ["-c", block_calls_counted("sample", "stderr", eager_backend=True), f"--out_dir={folder / 'run'}", "--device=cpu",
+    ["-c", block_calls_counted("lab.sample", "stderr", eager_backend=True), f"--out_dir={folder / 'run'}", "--device=cpu",
      "--dtype=float32", "--compile=True", "--n_loop=4", "--exit_threshold=1e-12", "--num_samples=2",
      "--max_new_tokens=60"]]}
 
@@ -250,7 +253,7 @@ def test_a_checkpoint_written_before_the_lesson_and_the_lab_split_samples_what_i
 
 
 def test_adaptive_exit_at_most_one_loop_warns_that_it_cannot_exit_earlier(bytes_run):
-    result = run("sample.py", f"--out_dir={bytes_run}", "--device=cpu", "--dtype=float32", "--exit_threshold=0.1",
+    result = run("-m lab.sample", f"--out_dir={bytes_run}", "--device=cpu", "--dtype=float32", "--exit_threshold=0.1",
                  "--n_loop=1", "--num_samples=1", "--max_new_tokens=2")
     assert result.returncode == 0
     assert "warning: adaptive exit at most 1 loop: every token runs that one loop; set --n_loop above 1" in \

@@ -18,7 +18,7 @@ import torch
 
 from dataset import EVAL_SEED, TokenWindows
 from model import GPT, GPTConfig
-from lab.flops import flops_per_token
+from runtime import flops_per_token
 from lab.loops import TrainLoops
 from lab.plot import read_metrics
 from prepare_data import prepare
@@ -36,16 +36,17 @@ HALF = 6  # the resume test stops at step HALF and carries on to 2 * HALF
 SAMPLED = ["--loop_sampling=uniform", "--loop_min=1", "--loop_max=3"]  # loop counts drawn per step, mean n_loop
 
 
-def train(cwd, *overrides, nproc=1, expect_rc=0):
-    """train.py TINY overrides in cwd: in this process, or in processes of its own for DDP and torch.compile (whose
-    caches would outlive the run here)."""
+def train(cwd, *overrides, nproc=1, expect_rc=0, lab=False):
+    """train.py TINY overrides in cwd (lab: under python -m lab.train, with the lab's settings and records): in this
+    process, or in processes of its own for DDP and torch.compile (whose caches would outlive the run here)."""
     if nproc == 1 and "--compile=True" not in overrides:
-        result = run_script("train.py", *TINY, *overrides, cwd=cwd)
+        result = run_script("-m lab.train" if lab else "train.py", *TINY, *overrides, cwd=cwd)
     else:
         launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                          f"--nproc_per_node={nproc}"]
-        result = subprocess.run([*launcher, TRAIN, *TINY, *overrides], cwd=cwd, env=ENV, capture_output=True,
-                                text=True, timeout=300)
+        script = ["-m", "lab.train"] if lab else [TRAIN]
+        result = subprocess.run([*launcher, *script, *TINY, *overrides], cwd=cwd, env={**ENV, "PYTHONPATH": ROOT},
+                                capture_output=True, text=True, timeout=300)
     assert result.returncode == expect_rc, result.stderr[-3000:]
     return result
 
@@ -82,7 +83,8 @@ def test_run_writes_checkpoint_and_metrics(first_half):
     out_dir, result = first_half
     ckpt = load(out_dir)
     assert set(ckpt) == {"program", "model", "model_args", "tokenizer", "optimizer", "scaler", "iter_num",
-                         "best_val_loss", "evaluated", "config", "rng"}
+                         "best_val_loss", "evaluated", "config", "rng", "lab"}
+    assert ckpt["lab"] == {} and "loop_sampling" not in ckpt["config"]  # the lesson alone: no setting of the lab's
     assert ckpt["program"] == "deeploop-train" and ckpt["iter_num"] == HALF and ckpt["scaler"] is None
     assert ckpt["evaluated"]  # written by the evaluation at step HALF
     assert not [k for k in ckpt["model"] if k.startswith(("_orig_mod.", "module."))]
@@ -97,14 +99,43 @@ def test_run_writes_checkpoint_and_metrics(first_half):
         assert set(r) >= {"iter", "loss", "lr", "tokens_per_sec", "mfu", "grad_norm", "tokens"}
     evals = records(out_dir, "eval")
     assert [r["iter"] for r in evals] == [0, 4, HALF]  # every eval_interval steps and at the end
-    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
-    for r in evals:
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] and not [r for r in evals if "loop" in r]
+    assert re.search(rf"step {HALF}: train loss [\d.]+, val loss [\d.]+\n", result.stdout)
+
+
+def test_the_lab_records_the_loop_diagnostics_and_the_same_losses(workdir, first_half):
+    """python -m lab.train is train.py with the lab's records added: the loop diagnostics at every evaluation, and
+    losses equal to the lesson's run (the diagnostics draw no random numbers)."""
+    half_dir, _ = first_half
+    result = train(workdir, "--out_dir=half-lab", f"--max_iters={HALF}", "--dropout=0.1", lab=True)
+    assert [r["val_loss"] for r in records(workdir / "half-lab", "eval")] == \
+        [r["val_loss"] for r in records(half_dir, "eval")]
+    assert load(workdir / "half-lab")["lab"] == {}  # nothing the lab changed: the lesson resumes it
+    for r in records(workdir / "half-lab", "eval"):
         loop = r["loop"]
         assert len(loop["residual_rms"]) == 4  # one per unrolled visit: 2 blocks x 2 loops
         assert len(loop["grad_norm"]) == 2 and all(len(g) == 2 for g in loop["grad_norm"])
         # kappa_R = ||sum_r g_r||^2 / sum_r ||g_r||^2 lies in [0, R]; below 1 would mean that the visits cancel
         assert all(0 <= k <= 2 for k in loop["kappa"]) and len(loop["kappa"]) == 2
     assert re.search(rf"step {HALF}: train loss [\d.]+, val loss [\d.]+, kappa_R", result.stdout)
+
+
+def test_a_run_the_lab_changed_resumes_under_the_lab_only(workdir):
+    """The checkpoint names the lab's settings off their defaults; train.py alone refuses to resume it (it would
+    train another way), also a checkpoint from before the seam, whose config held train.py's own loop settings."""
+    train(workdir, "--out_dir=lab-only", "--max_iters=2", *SAMPLED, lab=True)
+    assert load(workdir / "lab-only")["lab"] == dict(loop_sampling="uniform", loop_min=1, loop_max=3)
+    message = ("error: lab-only/ckpt.pt was trained with the lab's loop_sampling='uniform', loop_min=1, loop_max=3; "
+               "resume it with python -m lab.train and the run's settings\n")
+    assert train(workdir, "--out_dir=lab-only", "--init_from=resume", "--max_iters=3", expect_rc=2).stderr == message
+    ckpt = load(workdir / "lab-only")
+    del ckpt["lab"]
+    torch.save(ckpt, workdir / "lab-only" / "ckpt.pt")
+    result = train(workdir, "--out_dir=lab-only", "--init_from=resume", "--max_iters=3", expect_rc=2)
+    assert result.stderr == "error: lab-only/ckpt.pt was trained with the lab's loop_sampling='uniform'; resume it " \
+                            "with python -m lab.train and the run's settings\n"
+    train(workdir, "--out_dir=lab-only", "--init_from=resume", "--max_iters=3", *SAMPLED, lab=True)
+    assert load(workdir / "lab-only")["iter_num"] == 3
 
 
 def test_residual_exponent_travels_in_the_checkpoint_and_old_checkpoints_load(workdir):
@@ -262,8 +293,8 @@ def test_two_ddp_processes_equal_one_with_twice_the_accumulation(workdir):
     # eval_iters=3: the second process has one batch fewer to evaluate, and agrees as often as the first
     args = ["--gradient_accumulation_steps=4", "--max_iters=3", "--eval_interval=100", *SAMPLED, "--backprop_loops=1",
             "--eval_iters=3"]
-    train(workdir, "--out_dir=single", *args)
-    train(workdir, "--out_dir=ddp", *args, nproc=2)
+    train(workdir, "--out_dir=single", *args, lab=True)
+    train(workdir, "--out_dir=ddp", *args, nproc=2, lab=True)
     single, ddp = load(workdir / "single"), load(workdir / "ddp")
     assert len(ddp["rng"]) == 2  # both processes' generator states
     for key, tensor in single["model"].items():
@@ -286,8 +317,8 @@ def test_ddp_trains_a_loop_input_that_a_step_of_one_loop_leaves_unused(workdir):
     Huginn's log-normal Poisson draws 1 loop at step 0 here; concat at a fixed n_loop=1 runs one at every step."""
     args = ["--gradient_accumulation_steps=4", "--max_iters=3", "--eval_interval=100", "--loop_input=concat",
             "--loop_sampling=lognormal_poisson", "--loop_mean=2.0"]
-    train(workdir, "--out_dir=inject-single", *args)
-    train(workdir, "--out_dir=inject-ddp", *args, nproc=2)
+    train(workdir, "--out_dir=inject-single", *args, lab=True)
+    train(workdir, "--out_dir=inject-ddp", *args, nproc=2, lab=True)
     assert [r["loops"] for r in records(workdir / "inject-ddp", "train")] == [1, 2, 4]  # TrainLoops.draw(1337, 0..2)
     single, ddp = load(workdir / "inject-single"), load(workdir / "inject-ddp")
     for key, tensor in single["model"].items():
@@ -297,8 +328,9 @@ def test_ddp_trains_a_loop_input_that_a_step_of_one_loop_leaves_unused(workdir):
 
 
 def test_sampled_loop_counts_continue_on_resume_and_evaluations_report_several_depths(workdir):
-    train(workdir, "--out_dir=sampled", "--max_iters=4", "--eval_loops=1,3", *SAMPLED)
-    result = train(workdir, "--out_dir=sampled", "--max_iters=8", "--init_from=resume", "--eval_loops=1,3", *SAMPLED)
+    train(workdir, "--out_dir=sampled", "--max_iters=4", "--eval_loops=1,3", *SAMPLED, lab=True)
+    result = train(workdir, "--out_dir=sampled", "--max_iters=8", "--init_from=resume", "--eval_loops=1,3", *SAMPLED,
+                   lab=True)
     loops = [r["loops"] for r in records(workdir / "sampled", "train")]
     assert loops == [TrainLoops("uniform", 1, 3).draw(1337, step) for step in range(8)] and set(loops) == {1, 2, 3}
     assert load(workdir / "sampled")["config"]["loop_sampling"] == "uniform"
@@ -306,7 +338,7 @@ def test_sampled_loop_counts_continue_on_resume_and_evaluations_report_several_d
         assert list(r["val_loss_by_loops"]) == ["1", "2", "3"] and r["val_loss_by_loops"]["2"] == r["val_loss"]
     assert re.search(r"step 8: train loss .*; val loss at 1/2/3 loops [\d.]+/[\d.]+/[\d.]+\n", result.stdout)
     result = train(workdir, "--out_dir=sampled", "--max_iters=9", "--init_from=resume", "--loop_sampling=uniform",
-                   "--loop_min=1", "--loop_max=4", expect_rc=2)
+                   "--loop_min=1", "--loop_max=4", expect_rc=2, lab=True)
     assert result.stderr == ("error: resuming sampled/ckpt.pt with another model: loop_max=4 (checkpoint: 3); use the "
                              "run's config unchanged\n")
     result = run_script("lab/plot.py", "sampled", "--png=sampled.png", cwd=workdir)
@@ -318,7 +350,7 @@ def test_sampled_loop_counts_continue_on_resume_and_evaluations_report_several_d
 
 def test_builtin_data_is_prepared_on_demand_and_kappa_is_one_without_looping(tmp_path):
     result = train(tmp_path, "--dataset=builtin_bytes", "--out_dir=unlooped", "--n_loop=1", "--max_iters=1",
-                   "--eval_interval=1")
+                   "--eval_interval=1", lab=True)
     assert "preparing data/builtin_bytes" in result.stdout
     assert json.loads((tmp_path / "data" / "builtin_bytes" / "meta.json").read_text())["tokenizer"] == "bytes"
     assert load(tmp_path / "unlooped")["model_args"]["vocab_size"] == 320
@@ -343,7 +375,8 @@ def test_a_loop_count_or_seed_out_of_range_is_a_one_line_error(overrides, messag
     """A typo in a loop count (--loop_max=1000000000000) ran a step that never ended, growing its memory, or crashed
     after the first checkpoint (loop_mean=inf); a negative seed ended in numpy's traceback. Each stops before
     training writes anything. 5000, not the typo itself, and max_iters=0: code without the bound ends too."""
-    result = train(workdir, f"--out_dir={tmp_path / 'typo'}", "--max_iters=0", *overrides, expect_rc=2)
+    result = train(workdir, f"--out_dir={tmp_path / 'typo'}", "--max_iters=0", *overrides, expect_rc=2,
+                   lab=any(o.startswith("--loop_") for o in overrides))
     assert result.stderr == f"error: {message}\n"
     assert not (tmp_path / "typo" / "metrics.jsonl").exists() and not (tmp_path / "typo" / "ckpt.pt").exists()
 
@@ -354,31 +387,31 @@ def test_chain_settings_on_text_are_a_one_line_error_and_a_loop_input_no_step_re
     is merely useless (it is fed into loops 2 on): the run trains, with a warning."""
     for overrides, changed in [(["--chain_curriculum=100"], "chain_curriculum=100"),
                                (["--chain_pointers=foo", "--chain_hops=3"], "chain_hops=3, chain_pointers='foo'")]:
-        result = train(workdir, f"--out_dir={tmp_path / 'chains'}", "--max_iters=0", *overrides, expect_rc=2)
+        result = train(workdir, f"--out_dir={tmp_path / 'chains'}", "--max_iters=0", *overrides, expect_rc=2, lab=True)
         assert result.stderr == f"error: chain settings only apply to dataset=chains, not fixture ({changed}); leave " \
                                 f"them at their defaults or use --dataset=chains\n"
         assert not (tmp_path / "chains").exists()
-    train(workdir, f"--out_dir={tmp_path / 'defaults'}", "--max_iters=0", "--chain_hops=6", "--chain_values=8")
+    train(workdir, f"--out_dir={tmp_path / 'defaults'}", "--max_iters=0", "--chain_hops=6", "--chain_values=8", lab=True)
     warning = ("warning: loop_input=concat never trains: every step runs one loop, and the input is fed into loops 2 on "
                "(model.LoopInput); use --loop_input=none or more loops")
     for i, (overrides, warned) in enumerate([(["--n_loop=1"], True), (["--n_loop=1", *SAMPLED], False),
                                              (["--loop_sampling=uniform", "--loop_min=1", "--loop_max=1"], True)]):
         result = train(workdir, f"--out_dir={tmp_path / f'unread{i}'}", "--max_iters=1", "--loop_input=concat",
-                       *overrides)
+                       *overrides, lab=True)
         assert (warning in result.stderr.splitlines()) == warned, result.stderr
 
 
 def test_mfu_counts_the_loops_each_step_ran(workdir):
     """MFU over tokens/s is FLOPs per token over peak_flops: the FLOPs of the loops each logged step ran, its backward
     pass over the tracked loops only. 4 loops sampled on a model built for 1 count as 4 loops."""
-    train(workdir, "--out_dir=mfu", "--max_iters=6", "--n_loop=1", *SAMPLED, "--backprop_loops=2")
+    train(workdir, "--out_dir=mfu", "--max_iters=6", "--n_loop=1", *SAMPLED, "--backprop_loops=2", lab=True)
     model = GPT.from_checkpoint(str(workdir / "mfu" / "ckpt.pt"))[0]
     steps = records(workdir / "mfu", "train")
     assert {r["loops"] for r in steps} == {1, 2, 3}
     for r in steps:
         assert r["mfu"] * 1e12 / r["tokens_per_sec"] == pytest.approx(flops_per_token(model, r["loops"], 2), rel=1e-9)
     train(workdir, "--out_dir=mfu4", "--max_iters=2", "--n_loop=1", "--loop_sampling=uniform", "--loop_min=4",
-          "--loop_max=4")
+          "--loop_max=4", lab=True)
     for r in records(workdir / "mfu4", "train"):
         assert r["mfu"] * 1e12 / r["tokens_per_sec"] == pytest.approx(
             flops_per_token(GPT(GPTConfig(**{**load(workdir / "mfu4")["model_args"], "n_loop": 4}))), rel=1e-9)
@@ -398,7 +431,7 @@ def test_missing_dataset_names_the_command_that_prepares_it(tmp_path):
     (["--device=cuda"], "--device=cuda is not usable here (the devices here: cpu"),
     (["--device=cuda:1"], "--device=cuda:1 is not usable here (the devices here: cpu"),
     (["--device=gpu"], "--device=gpu is not usable here (the devices here: cpu"),
-    (["--EVAL_SEED=5"], "unknown config key 'EVAL_SEED' in --EVAL_SEED; known keys: backprop_loops, "),
+    (["--EVAL_SEED=5"], "unknown config key 'EVAL_SEED' in --EVAL_SEED; known keys: batch_size, "),
     (["--out_dir="], "--out_dir is empty: name the run's folder, e.g. --out_dir=out-smoke"),
 ])
 def test_a_start_that_fails_is_one_line_and_leaves_no_out_dir_or_lock(overrides, message, workdir, tmp_path):
@@ -756,19 +789,19 @@ def test_time_based_checkpoints(workdir):
     assert load(workdir / "timed")["iter_num"] == 4
 
 
-def test_diagnostics_do_not_run_in_float16(workdir, first_half):
+def test_diagnostics_do_not_run_in_float16(workdir):
     """Under float16 autocast the per-visit gradients would underflow without loss scaling; the diagnostics run in
-    float32 instead and equal a float32 run's: first_half's at step 0 (the same initial weights, the same batch, and
-    no dropout in the diagnostics)."""
-    half_dir, _ = first_half
-    train(workdir, "--out_dir=diag-float16", "--dtype=float16", "--max_iters=1", "--eval_interval=1")
-    assert records(workdir / "diag-float16", "eval")[0]["loop"] == records(half_dir, "eval")[0]["loop"]
+    float32 instead and equal a float32 run's at step 0 (the same initial weights, the same batch)."""
+    train(workdir, "--out_dir=diag-float32", "--max_iters=1", "--eval_interval=1", lab=True)
+    train(workdir, "--out_dir=diag-float16", "--dtype=float16", "--max_iters=1", "--eval_interval=1", lab=True)
+    assert records(workdir / "diag-float16", "eval")[0]["loop"] == records(workdir / "diag-float32", "eval")[0]["loop"]
 
 
 def test_plot_draws_any_number_of_runs(workdir, first_half):
     half_dir, _ = first_half
-    train(workdir, "--out_dir=deepnorm", "--residual=deepnorm", "--n_loop=1", "--max_iters=4")
-    result = run_script("lab/plot.py", str(half_dir), "deepnorm", "--png=both.png", cwd=workdir)
+    train(workdir, "--out_dir=half-probed", f"--max_iters={HALF}", "--dropout=0.1", lab=True)
+    train(workdir, "--out_dir=deepnorm", "--residual=deepnorm", "--n_loop=1", "--max_iters=4", lab=True)
+    result = run_script("lab/plot.py", "half-probed", "deepnorm", "--png=both.png", cwd=workdir)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0] == "wrote both.png: deeploop, n_loop=2; deepnorm, n_loop=1"
     # the probes of both runs' last evaluations, a row each: 2 x 2 visits, or 2 blocks once, and the core's input
@@ -840,7 +873,7 @@ def compiled_and_eager(folder):
     """An eager run of 4 steps, and the same 4 steps compiled, resumed eager after 2, compiled again after 3: started
     with the session (conftest.py), on the builtin bytes, since compiling takes ~30 s. Loop counts sampled, with
     truncated backprop, and evaluated at 9 counts: more than dynamo's recompile_limit (8)."""
-    run = ["train.py", *TINY, "--dataset=builtin_bytes", "--max_iters=4", "--eval_interval=2", *PAPER,
+    run = ["-m", "lab.train", *TINY, "--dataset=builtin_bytes", "--max_iters=4", "--eval_interval=2", *PAPER,
            "--loop_sampling=lognormal_poisson", "--loop_mean=3.0", "--backprop_loops=1", "--eval_loops=1,3,4,5,6,7,8,9"]
     compiled = f"--out_dir={folder / 'compiled'}"
     return [[*run, f"--out_dir={folder / 'eager'}"], [*run, compiled, "--max_iters=2", "--compile=True"],
@@ -894,7 +927,7 @@ def test_prelude_coda_and_loop_input_travel_in_the_checkpoint_and_bad_ones_are_o
     """Huginn's shape with sampled loop counts and truncated backprop: the checkpoint carries the settings, the loop
     diagnostics cover the core's visits, and resuming with another loop_input or a bad value stops with one line."""
     huginn = ["--n_prelude=1", "--n_coda=1", "--loop_input=concat", *SAMPLED, "--backprop_loops=1"]
-    train(workdir, "--out_dir=huginn", "--max_iters=4", *huginn)
+    train(workdir, "--out_dir=huginn", "--max_iters=4", *huginn, lab=True)
     ckpt = load(workdir / "huginn")
     assert {k: ckpt["model_args"][k] for k in ("n_prelude", "n_coda", "loop_input")} == dict(
         n_prelude=1, n_coda=1, loop_input="concat")
@@ -910,7 +943,7 @@ def test_prelude_coda_and_loop_input_travel_in_the_checkpoint_and_bad_ones_are_o
         ("--n_coda=-1", "n_prelude and n_coda must be >= 0 (0 = none), got n_prelude=1 n_coda=-1"),
         ("--loop_input=gate", "unknown loop_input 'gate'; choose one of none, add, concat")]:
         result = train(workdir, "--out_dir=huginn", "--init_from=resume", "--max_iters=5", *huginn, override,
-                       expect_rc=2)
+                       expect_rc=2, lab=True)
         assert result.stderr == f"error: {message}\n"
     assert load(workdir / "huginn")["iter_num"] == 4  # nothing overwritten
 
@@ -919,7 +952,7 @@ def test_a_task_run_logs_accuracy_by_k_and_the_shortcuts(tmp_path):
     """--dataset=chains: no data folder; the start record holds the shortcuts, every eval record the val accuracy by
     k, the log line shows it, and a task run's checkpoint names the task where a text run names its tokenizer."""
     r = train(tmp_path, "--dataset=chains", "--chain_values=4", "--chain_hops=3", "--block_size=12", "--max_iters=4",
-              "--out_dir=chains")
+              "--out_dir=chains", lab=True)
     start, = records(tmp_path / "chains", "start")
     assert start["shortcuts"]["chance"] == {"1": 0.25, "2": 0.25, "3": 0.25}
     evals = records(tmp_path / "chains", "eval")
@@ -934,15 +967,15 @@ def test_relative_pointers_and_a_curriculum_reach_a_task_run_and_bad_ones_are_on
     """chain_pointers names the task in the checkpoint (resuming with the other one is a one-line error);
     chain_curriculum changes the training batches (chains of one pointer at step 0) but not the evaluations."""
     chains = ["--dataset=chains", "--chain_values=4", "--chain_hops=3", "--block_size=12", "--max_iters=2"]
-    train(tmp_path, *chains, "--out_dir=relative", "--chain_pointers=relative")
+    train(tmp_path, *chains, "--out_dir=relative", "--chain_pointers=relative", lab=True)
     assert load(tmp_path / "relative")["tokenizer"] == "chains(values=4, hops=3, cells=12, pointers=relative)"
-    r = train(tmp_path, *chains, "--out_dir=relative", "--init_from=resume", "--max_iters=4", expect_rc=2)
+    r = train(tmp_path, *chains, "--out_dir=relative", "--init_from=resume", "--max_iters=4", expect_rc=2, lab=True)
     assert r.stderr == ("error: relative/ckpt.pt was trained on chains(values=4, hops=3, cells=12, pointers=relative) "
                         "but these settings make chains(values=4, hops=3, cells=12); resume with the run's chain "
                         "settings\n")
     assert load(tmp_path / "relative")["iter_num"] == 2  # nothing overwritten
-    train(tmp_path, *chains, "--out_dir=plain")
-    train(tmp_path, *chains, "--out_dir=curriculum", "--chain_curriculum=100")
+    train(tmp_path, *chains, "--out_dir=plain", lab=True)
+    train(tmp_path, *chains, "--out_dir=curriculum", "--chain_curriculum=100", lab=True)
     plain, curriculum = (records(tmp_path / name) for name in ("plain", "curriculum"))
     first_loss = [next(r["loss"] for r in run if r["type"] == "train") for run in (plain, curriculum)]
     assert first_loss[0] != first_loss[1]  # the same weights at step 0, other chains
@@ -952,14 +985,14 @@ def test_relative_pointers_and_a_curriculum_reach_a_task_run_and_bad_ones_are_on
         ("--chain_curriculum=-1", "chain_curriculum must be >= 0 (steps over which chains grow to chain_hops; 0: off), "
                                   "got -1"),
         ("--chain_pointers=near", "unknown chain_pointers 'near': use absolute (cell p) or relative (d cells back)")]:
-        r = train(tmp_path, *chains, "--out_dir=bad", override, expect_rc=2)
+        r = train(tmp_path, *chains, "--out_dir=bad", override, expect_rc=2, lab=True)
         assert r.stderr == f"error: {message}\n"
 
 
 def test_one_sequence_a_step_trains_through_its_evaluations_without_the_stream_probes(workdir):
     """The stream probes fit on half a batch's sequences and score on the other half: with batch_size=1 there is no
     other half, and the run says so once, evaluates, and records kappa_R without them."""
-    r = train(workdir, "--out_dir=one_sequence", "--batch_size=1", "--max_iters=4")
+    r = train(workdir, "--out_dir=one_sequence", "--batch_size=1", "--max_iters=4", lab=True)
     assert "note: batch_size=1 leaves the stream probes (lab.probes) no sequence to score on: none are recorded" in \
         r.stdout.splitlines()
     evals = records(workdir / "one_sequence", "eval")

@@ -23,7 +23,7 @@ def run(script, *args, cwd):
 def depth_run(tmp_path_factory):
     """A folder with run/: train.py's depth task, 3 steps of a tiny model at 2 loops."""
     tmp_path = tmp_path_factory.mktemp("depth")
-    r = run("train.py", os.path.join(ROOT, "config", "depth_cpu.py"), "--out_dir=run", "--max_iters=3",
+    r = run("-m lab.train", os.path.join(ROOT, "config", "depth_cpu.py"), "--out_dir=run", "--max_iters=3",
             "--eval_interval=3", "--eval_iters=2", "--batch_size=8", "--n_loop=2", "--n_embd=32", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     return tmp_path
@@ -42,8 +42,8 @@ def test_depth_eval_reproduces_the_runs_accuracy_and_shows_examples(depth_run):
     examples = [line for line in lines if line.startswith("k=")]
     assert examples and all(" -> cell " in line and "; model: " in line for line in examples)
     r = run("sample.py", "--out_dir=run", cwd=tmp_path)  # no text to sample: it points here
-    assert r.returncode == 2 and r.stderr == ("error: run was trained on the chains task, not on text: show its "
-                                              "answers with python -m lab.depth_eval --out_dir=run\n")
+    assert r.returncode == 2 and r.stderr == ("error: run was trained on chains(values=8, hops=6, cells=16), not "
+                                              "on text: show its answers with python -m lab.depth_eval --out_dir=run\n")
 
 
 
@@ -67,7 +67,7 @@ def trained_line(stdout):
 def test_a_bfloat16_run_is_evaluated_in_bfloat16_and_a_negative_examples_count_is_an_error(tmp_path):
     # 80 steps: the answers are near ties between values, some of which float32 breaks the other way (it printed
     # 0.13 0.15 0.14 0.15 0.21 0.18 for this run's 0.14 0.14 0.10 0.15 0.18 0.18)
-    r = run("train.py", os.path.join(ROOT, "config", "depth_cpu.py"), "--out_dir=run", "--max_iters=80",
+    r = run("-m lab.train", os.path.join(ROOT, "config", "depth_cpu.py"), "--out_dir=run", "--max_iters=80",
             "--eval_interval=80", "--lr_decay_iters=80", "--warmup_iters=2", "--eval_iters=4", "--batch_size=8",
             "--n_loop=2", "--n_embd=32", "--dtype=bfloat16", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -83,7 +83,7 @@ def test_a_bfloat16_run_is_evaluated_in_bfloat16_and_a_negative_examples_count_i
 
 
 def test_adaptive_exit_rows_and_the_loops_they_report(tmp_path, monkeypatch):
-    r = run("train.py", os.path.join(ROOT, "config", "depth_cpu.py"), "--out_dir=run", "--max_iters=3",
+    r = run("-m lab.train", os.path.join(ROOT, "config", "depth_cpu.py"), "--out_dir=run", "--max_iters=3",
             "--eval_interval=3", "--eval_iters=2", "--batch_size=8", "--n_loop=2", "--n_embd=32", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     r = run("lab/depth_eval.py", "--out_dir=run", "--loops=1,3", "--examples=0", "--exit_thresholds=0,1e30", cwd=tmp_path)

@@ -25,7 +25,7 @@ def rows(stdout):
 
 
 def test_exit_eval_rows_agree_where_they_must_and_the_figure_is_drawn(tmp_path):
-    r = run_script("train.py", os.path.join(ROOT, "config", "depth_sampled_cpu.py"), "--out_dir=run", "--max_iters=3",
+    r = run_script("-m lab.train", os.path.join(ROOT, "config", "depth_sampled_cpu.py"), "--out_dir=run", "--max_iters=3",
                    "--eval_interval=3", "--eval_iters=2", "--batch_size=8", "--n_embd=32", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     r = run_script("lab/exit_eval.py", "--out_dir=run", "--loops=1,3", "--exit_thresholds=0,1e30,1e-2",
@@ -49,7 +49,7 @@ def test_exit_eval_rows_agree_where_they_must_and_the_figure_is_drawn(tmp_path):
 def test_bad_settings_are_one_line_errors(tmp_path):
     r = run_script("lab/exit_eval.py", "--out_dir=nothing", cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("error: no checkpoint at nothing/ckpt.pt")
-    r = run_script("train.py", os.path.join(ROOT, "config", "depth_cpu.py"), "--out_dir=run", "--max_iters=1",
+    r = run_script("-m lab.train", os.path.join(ROOT, "config", "depth_cpu.py"), "--out_dir=run", "--max_iters=1",
                    "--eval_interval=1", "--eval_iters=1", "--batch_size=4", "--n_embd=32", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     for setting in ("--exit_thresholds=-1", "--max_loops=-2", "--loops=0,2"):

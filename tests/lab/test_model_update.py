@@ -106,7 +106,7 @@ def test_the_linearization_holds_at_a_tiny_rate_and_not_at_a_large_one():
 
 def test_train_mode_takes_train_py_steps(tmp_path):
     common = ["--max_iters=3", "--seed=0"]
-    r = run_script("train.py", os.path.join(ROOT, "config", "depth_cpu.py"), "--out_dir=run", "--residual=postln",
+    r = run_script("-m lab.train", os.path.join(ROOT, "config", "depth_cpu.py"), "--out_dir=run", "--residual=postln",
                    "--n_loop=2", "--log_interval=1", "--eval_interval=10", "--eval_iters=1", *common, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     with open(tmp_path / "run" / "metrics.jsonl") as f:
