@@ -16,6 +16,7 @@ training itself. Its guarantees (docs/preemption.md says how to use them on a cl
 - metrics.jsonl never holds half a record: a failed write is cut off again (and the run stops at its next step), and
   a record cut short by a killed run is removed when the run resumes.
 - The NaN guard: a non-finite train loss stops the run before it is saved, so ckpt.pt keeps the last good state.
+- A resume continues the run it names or stops (resume_mismatch): other tokens, another model, other lab settings.
 - DDP: every decision to stop or to save is taken by all processes at the same step (Processes.agree), and a failure
   on the master stops every process instead of leaving the others waiting in a collective until its timeout.
 A run that its input or its machine keeps from going on ends with one line on stderr and exit code 2
@@ -216,6 +217,30 @@ def lock_out_dir(out_dir, init_from="scratch", start_over=False):
     lock_file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     lock_file.flush()
     return lock_file
+
+
+def resume_mismatch(ckpt_path, checkpoint, model, model_args, meta, dataset, task, lab):
+    """What stops train.py from resuming the checkpoint with these settings (a line), or None: other tokens, a run the
+    lab changed resumed without the lab, another model or other settings of the lab's."""
+    if checkpoint["tokenizer"] != meta["tokenizer"]:
+        return (f"{ckpt_path} was trained on {checkpoint['tokenizer']} but these settings make {meta['tokenizer']}; "
+                f"resume with the run's chain settings" if task else f"{ckpt_path} was trained on "
+                f"{checkpoint['tokenizer']} tokens but data/{dataset} holds {meta['tokenizer']} tokens; resume with the "
+                f"dataset it was trained on")
+    # a run the lab changed resumes under the lab only (a checkpoint from before the seam: train.py's loop settings)
+    lab_changes = checkpoint.get("lab", {k: v for k, v in checkpoint["config"].items()
+                                         if k in ("loop_sampling", "backprop_loops") and v not in ("fixed", 0)})
+    if lab_changes and not lab:
+        return (f"{ckpt_path} was trained with the lab's {', '.join(f'{k}={v!r}' for k, v in lab_changes.items())}; "
+                f"resume it with python -m lab.train and the run's settings")
+    # the model's settings against the loaded model's config, the lab's against the run's config (a checkpoint older
+    # than a setting means its default)
+    saved = {**(lab.defaults if lab else {}), **checkpoint["config"], **vars(model.config)}
+    changed = [f"{k}={v!r} (checkpoint: {saved[k]!r})" for k, v in {**model_args, **(lab.settings if lab else {})}.items()
+               if saved[k] != v]
+    if changed:
+        return f"resuming {ckpt_path} with another model: {', '.join(changed)}; use the run's config unchanged"
+    return None
 
 
 class CheckpointFile:

@@ -10,9 +10,8 @@ The settings are the module-level variables below, changed by config files and -
 writes ckpt.pt and metrics.jsonl to out_dir; guard.py keeps it safe (SIGTERM: ckpt.pt written, exit code 75).
 
 The seam where the lab plugs in: `python -m lab.train` runs this file with LAB set to its Lab (lab/train.py), which
-brings settings of its own and is asked, where LAB appears below, for batch sources (a task in place of a dataset),
-a training step's loop count and the module that trains, and more numbers for the start and each evaluation. Run as
-`python train.py`, LAB is None: the run is the method alone.
+brings settings of its own and, where LAB appears below, gives batch sources (a task's), a step's loop count, the module
+that trains and more numbers for the logs. Under `python train.py` LAB is None: the run is the method alone.
 """
 
 import math
@@ -131,8 +130,7 @@ tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 device_type = device.split(":")[0]
 compile = device_type == "cuda" if compile is None else compile
 if device_type == "cpu":
-    # Deep Post-LN stacks produce tiny (denormal) gradients in their early visits; CPUs compute on denormals many
-    # times slower (measured: 2 blocks x 32 loops, 5.1 s a step without this, 0.44 s with it, same loss)
+    # deep Post-LN stacks make denormal gradients early on, many times slower on CPUs (2 x 32 loops: 5.1 s a step, 0.44)
     torch.set_flush_denormal(True)
 
 
@@ -141,9 +139,8 @@ if device_type == "cpu":
 # every run on a dataset, whatever its seed, so that runs with other seeds or schemes are compared on the same text;
 # the train-split ones are drawn with a seed that training does not use (EVAL_SEED).
 splits = ((seed, "train"), (EVAL_SEED, "train"), (EVAL_SEED, "val"))  # training, and the evaluations' two
-task = LAB and LAB.data(splits)  # a task's batch sources and meta, made on the fly
 try:
-    if task:
+    if task := LAB and LAB.data(splits):  # a task's batch sources and meta, made on the fly
         (train_data, train_eval_data, val_data), meta = task
     else:
         # builtin and builtin_bytes are made here when missing (by the master; the others wait for it)
@@ -177,24 +174,8 @@ else:
         raw_model, checkpoint = GPT.from_checkpoint(ckpt_path, device)
     except (FileNotFoundError, ValueError) as e:
         die(str(e))
-    if checkpoint["tokenizer"] != meta["tokenizer"]:
-        die(f"{ckpt_path} was trained on {checkpoint['tokenizer']} but these settings make {meta['tokenizer']}; "
-            f"resume with the run's chain settings" if task else f"{ckpt_path} was trained on "
-            f"{checkpoint['tokenizer']} tokens but data/{dataset} holds {meta['tokenizer']} tokens; resume with the "
-            f"dataset it was trained on")
-    # a run the lab changed resumes under the lab only (a checkpoint from before the seam: train.py's loop settings)
-    lab_changes = checkpoint.get("lab", {k: v for k, v in checkpoint["config"].items()
-                                         if k in ("loop_sampling", "backprop_loops") and v not in ("fixed", 0)})
-    if lab_changes and not LAB:
-        die(f"{ckpt_path} was trained with the lab's {', '.join(f'{k}={v!r}' for k, v in lab_changes.items())}; "
-            f"resume it with python -m lab.train and the run's settings")
-    # the model's settings against the loaded model's config, the lab's against the run's config (a checkpoint older
-    # than a setting means its default)
-    saved = {**(LAB.defaults if LAB else {}), **checkpoint["config"], **vars(raw_model.config)}
-    changed = [f"{k}={v!r} (checkpoint: {saved[k]!r})" for k, v in {**model_args, **(LAB.settings if LAB else {})}.items()
-               if saved[k] != v]
-    if changed:
-        die(f"resuming {ckpt_path} with another model: {', '.join(changed)}; use the run's config unchanged")
+    if mismatch := guard.resume_mismatch(ckpt_path, checkpoint, raw_model, model_args, meta, dataset, task, LAB):
+        die(mismatch)
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
     evaluated = checkpoint.get("evaluated", True)  # False: written on a signal or timer, before its step's evaluation
 # for the device this process runs on; on a CPU measured at this width, or a resumed CPU run's own
@@ -221,8 +202,7 @@ if init_from == "resume":
 if compile:
     raw_model.compile_blocks()  # in place, every block and the loss: one graph serves every loop count
 # training runs model, evaluation raw_model (no DDP collectives). DDP must know when a step may leave parameters
-# without a gradient: LoopInput's at a step of one loop (it feeds loops 2 on), the earlier loops' under the lab's
-# truncated backprop
+# without a gradient: LoopInput's at a step of one loop (it feeds loops 2 on), the earlier loops' in truncated backprop
 fewest_loops, most_loops = LAB.loop_bounds if LAB else (n_loop, n_loop)  # what a training step may run
 unused = loop_input != "none" and fewest_loops == 1 or bool(LAB and LAB.backprop_loops)
 trained = LAB.wrap(raw_model) if LAB else raw_model
@@ -242,10 +222,9 @@ def save_checkpoint(evaluated):
 
 @torch.no_grad()
 def estimate_loss():
-    """Mean loss over eval_iters fixed batches per split, train at n_loop and val at each of eval_loop_counts (test-time
-    depth), the batches shared out among DDP processes -> dict(train=, val= (at n_loop), val_by_loops={loops: loss}).
-    None: a signal came, and every process left at the same batch (an evaluation can take minutes; a scheduler's grace
-    period is one step and a write)."""
+    """Mean loss over eval_iters fixed batches per split, train at n_loop and val at each of eval_loop_counts, shared out
+    among DDP processes -> dict(train=, val= (at n_loop), val_by_loops={loops: loss}). None: a signal came, and every
+    process left at the same batch (an evaluation can take minutes; a scheduler's grace is one step and a write)."""
     raw_model.eval()
     losses = {}
     for split, data, loop_counts in (("train", train_eval_data, [n_loop]), ("val", val_data, eval_loop_counts)):
@@ -286,8 +265,7 @@ def log(record):
 
 
 def log_eval(losses):
-    """An evaluation's line and record, with the lab's numbers where it runs (LAB.evaluate: kappa_R, a task's
-    accuracy)."""
+    """An evaluation's line and record, with the lab's numbers where it runs (kappa_R, a task's accuracy)."""
     by_loops = losses["val_by_loops"]
     record, said, lines = LAB.evaluate(raw_model, by_loops) if LAB else ({}, "", [])
     depth = f"; val loss at {'/'.join(map(str, by_loops))} loops " \
@@ -318,8 +296,7 @@ def start_logs():
         print(f"warning: loop_input={loop_input} never trains: every step runs one loop, and the input is fed into "
               f"loops 2 on (model.LoopInput); use --loop_input=none or more loops", file=sys.stderr)
     lab_record, lines = LAB.start() if LAB else ({}, [])
-    for line in lines:
-        print(line)
+    print("\n".join(lines), end="\n" if lines else "")
     log(dict(type="start", iter=iter_num, resumed=init_from == "resume", params=n_params, world_size=world_size,
              config={k: globals()[k] for k in config}, machine=machine(), **lab_record))
 
