@@ -537,7 +537,8 @@ if mode == "budget":
                                seeds=seed_list, budgets=budget_list, long_schemes=long_list, long_seeds=long_seed_list,
                                long_rate=long_rate,
                                full_grid_until=full_grid_until, floor=floor, unit=unit, dataset=dataset,
-                               meta=meta, tokens_per_step=batch_size * block_size, n_layer=n_layer, n_embd=n_embd,
+                               meta=meta, tokens_per_step=batch_size * block_size, block_size=block_size,
+                               batch_size=batch_size, n_layer=n_layer, n_embd=n_embd,
                                warmup_iters=warmup_iters, dtype=run_dtype, workers=workers,
                                wall_minutes=(time.time() - t_start) / 60, report_only=report_only,
                                command=" ".join(["python -m lab.sweep"] + sys.argv[1:])))

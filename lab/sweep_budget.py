@@ -18,6 +18,8 @@ import os
 
 import numpy as np
 
+from dataset import SPLITS, TokenWindows
+
 PAPER_TOKENS = 100_000 * 480 * 1024  # the paper's 100K steps of 480 sequences of 1024 tokens: 49B
 
 
@@ -36,30 +38,6 @@ def rate_at(grid_rate, scheme, steps, cfg):
     grid's."""
     long = cfg["long_rate"] and scheme in cfg["long_schemes"] and steps > cfg["full_grid_until"]
     return cfg["long_rate"] if long else grid_rate
-
-
-def check_winner(chosen, rates, run_at):
-    """The rate the check at the longest budget found best on its one seed: of the chosen rate and its neighbours, the
-    one whose check run (run_at(lr): its result, None while it has not run) ended lowest, the chosen rate on a tie;
-    None until all three have run. A diverged run never wins; where all three diverged the chosen rate stays."""
-    candidates = [chosen, *neighbours(chosen, rates)]
-    runs = [run_at(lr) for lr in candidates]
-    if None in runs:
-        return None
-    finished = [(run["val_loss"], i) for i, run in enumerate(runs) if run["val_loss"] is not None]
-    return candidates[min(finished)[1]] if finished else chosen
-
-
-def confirmed_rate(chosen, winner, losses_at):
-    """The rate the study's verdict at the longest budget takes: the check's winner while its mean over the seeds it
-    shares with the chosen rate (losses_at(lr): {seed: final val loss}) stays lower, else the chosen rate. The study
-    runs the other long seeds at a winner, since one seed's win can be noise (0.01 won DeepLoop's check at R = 3 on
-    seed 0 by 0.003 and lost on seed 1 by 0.015)."""
-    won, kept = losses_at(winner), losses_at(chosen)
-    common = set(won) & set(kept)
-    if not common:  # the chosen rate diverged on the check's seed
-        return winner
-    return winner if sum(won[k] - kept[k] for k in common) < 0 else chosen
 
 
 def rate_walk(chosen, rates, mean_at, max_moves=3):
@@ -85,6 +63,20 @@ def rate_walk(chosen, rates, mean_at, max_moves=3):
     return best, asked, True
 
 
+def coverage(data_dir, block_size, batch_size, steps, seed=0):
+    """(the share of the training split a run of `steps` steps ever reads, the share of the bytes it reads that it read
+    before): its windows are drawn with replacement (dataset.TokenWindows, one micro-batch a step), so a long budget
+    reads some text twice. Measured from the draws themselves, on one seed's."""
+    windows = TokenWindows(data_dir, "train", block_size, seed)
+    picks = np.concatenate([np.random.default_rng([seed, SPLITS.index("train"), index]).integers(
+        windows.ends[-1], size=batch_size) for index in range(steps)])
+    reads = np.zeros(windows.tokens + 1, dtype=np.int64)  # +1 at each window's first byte, -1 past its last
+    np.add.at(reads, picks, 1)
+    np.add.at(reads, picks + block_size + 1, -1)
+    seen = np.count_nonzero(np.cumsum(reads))
+    return seen / windows.tokens, 1 - seen / (len(picks) * (block_size + 1))
+
+
 def mean_std(values):
     if not values:
         return None
@@ -92,8 +84,31 @@ def mean_std(values):
     return m, (float(np.std(values, ddof=1)) if len(values) > 1 else 0.0), len(values)
 
 
+def t_interval(differences):
+    """(mean, half-width of its 95% t-interval, n, two-sided p of a zero mean) of paired differences (one per seed):
+    the mean over n seeds with the standard error s / sqrt(n) and Student's t with n - 1 degrees of freedom (n = 3:
+    t = 4.30). A difference is a finding only where the interval excludes zero. None for no seeds; for one seed the
+    half-width and p are nan (one seed measures no spread)."""
+    if not differences:
+        return None
+    from scipy import stats
+    n, m = len(differences), float(np.mean(differences))
+    if n < 2:
+        return m, math.nan, 1, math.nan
+    se = float(np.std(differences, ddof=1)) / math.sqrt(n)
+    if se <= 1e-12 * max(1.0, abs(m)):  # no spread but float rounding: the mean is the difference, certain
+        return m, 0.0, n, 0.0 if m else 1.0
+    p = float(2 * stats.t.sf(abs(m) / se, n - 1))
+    return m, float(stats.t.ppf(0.975, n - 1)) * se, n, p
+
+
 def fmt(stat, digits=3):
-    return "—" if stat is None else f"{stat[0]:+.{digits}f} ± {stat[1]:.{digits}f} ({stat[2]})"
+    """A paired difference as "mean ± 95% half-width (n, p)"; — without seeds."""
+    if stat is None:
+        return "—"
+    if stat[2] < 2:
+        return f"{stat[0]:+.{digits}f} (1 seed)"
+    return f"{stat[0]:+.{digits}f} ± {stat[1]:.{digits}f} ({stat[2]}, p {stat[3]:.2g})"
 
 
 def fmt_loss(stat, digits=4):
@@ -132,8 +147,8 @@ def report(results, best, cfg):
         return {seed: a[seed] - b[seed] for seed in sorted(set(a) & set(b))}
 
     def paired(a, b):
-        """mean ± std over the seeds both have of a - b"""
-        return mean_std(list(differences(a, b).values()))
+        """t_interval of a - b over the seeds both have"""
+        return t_interval(list(differences(a, b).values()))
 
     def seed_gains(s, steps):
         """{seed: loss at R = 1 minus loss at R = 3} of s at a budget, over the seeds it has at both"""
@@ -152,12 +167,16 @@ def report(results, best, cfg):
              + f"), {cfg['n_layer']} physical blocks of width {cfg['n_embd']}, "
              f"{cfg['tokens_per_step']} tokens a step, warmup {cfg['warmup_iters']} steps, cosine to lr/10 at the "
              f"budget's end, {cfg['dtype']}. Budgets in steps: {', '.join(f'{b:,}' for b in budgets)} "
-             f"({', '.join(f'{tokens[b] / 1e6:.2f}M' for b in budgets)} tokens); no run repeats a byte "
-             f"(the longest reads {tokens[budgets[-1]] / meta['tokens']['train']:.0%} of the training split). "
+             f"({', '.join(f'{tokens[b] / 1e6:.2f}M' for b in budgets)} tokens). Windows are drawn with "
+             f"replacement: a run of each budget reads " + ", ".join(
+                 f"{seen:.0%} of the training split ({again:.0%} of its reads repeats)" for seen, again in
+                 (coverage(os.path.join("data", cfg["dataset"]), cfg["block_size"], cfg["batch_size"], b)
+                  for b in budgets)) + ". "
              f"Every scheme and seed ({','.join(map(str, seeds))}) up to {cfg['full_grid_until']:,} steps; beyond, "
              f"{', '.join(cfg['long_schemes'])} with seeds {','.join(map(str, cfg['long_seeds']))}"
-             + (f" at lr {cfg['long_rate']:g}" if cfg["long_rate"] else "") + ". Cells: mean ± std "
-             f"(seeds). Unigram floor {cfg['floor']:.4f}.", ""]
+             + (f" at lr {cfg['long_rate']:g}" if cfg["long_rate"] else "") + ". Losses: mean ± std (seeds); "
+             f"differences between runs: paired by seed, mean ± the half-width of the 95% t-interval (seeds, two-sided "
+             f"p of a zero mean). Unigram floor {cfg['floor']:.4f}.", ""]
     if cfg["report_only"]:
         lines += [f"Report of the runs finished so far ({len(results)}); cells without runs are —.", ""]
 
@@ -238,53 +257,61 @@ def report(results, best, cfg):
             cells = [fmt(paired(seed_gains(s, b), seed_gains(baseline(s), b))) for b in budgets]
             lines.append(f"| {s} | " + " | ".join(cells) + " |")
 
-    # the rate check at the longest budget: the chosen rate against its neighbours, one seed
-    checked = [(s, r, budgets[-1]) for s, r in pairs if s in cfg["long_schemes"]] if len(budgets) > 1 else []
-    if checked:
-        seed = cfg["long_seeds"][0]
-        lines += ["", f"The chosen rates checked at the longest budget against the grid's neighbours (seed {seed}; "
-                      f"**lowest**):", "", "| scheme | R | steps | lower rate | chosen rate | higher rate |",
-                  "|---|---|---|---|---|---|"]
-        for s, r, b in checked:
-            chosen = rate(s, r, b)
-            rates = [neighbours(chosen, cfg["rates"])[0], chosen, neighbours(chosen, cfg["rates"])[1]]
-            got = [results.get((s, r, 0.0, lr, seed, b)) for lr in rates]
-            values = [run["val_loss"] if run else None for run in got]
-            low = min((v for v in values if v is not None), default=None)
-            cells = ["not run yet" if run is None else "diverged" if v is None else
-                     (f"**{v:.4f}**" if v == low and sum(x is not None for x in values) > 1 else f"{v:.4f}")
-                     + f" (lr {lr:g})" for run, v, lr in zip(got, values, rates)]
-            lines.append(f"| {s} | {r} | {b:,} | " + " | ".join(cells) + " |")
+    # the rate walk at every budget past the full grid (rate_walk): the chosen rate and its neighbours on every long
+    # seed, and on past a neighbour that wins on the mean
+    long_budgets = [b for b in budgets[1:] if b > cfg["full_grid_until"]]
+    walked = [(s, r) for s, r in pairs if s in cfg["long_schemes"]]
+    long_seeds = cfg["long_seeds"]
 
-    # the verdict at the longest budget: each long scheme at the rate its check found best, every long seed there
+    def long_mean(s, r, b, lr):
+        runs = [results.get((s, r, 0.0, lr, seed, b)) for seed in long_seeds]
+        if None in runs:
+            return None
+        return math.inf if any(run["val_loss"] is None for run in runs) else \
+            sum(run["val_loss"] for run in runs) / len(runs)
+
+    walks = {(s, r, b): rate_walk(rate(s, r, b), cfg["rates"], lambda lr: long_mean(s, r, b, lr))
+             for s, r in walked for b in long_budgets}
+    if walks:
+        lines += ["", f"The rate walk at each budget past {cfg['full_grid_until']:,} steps: mean final val loss over "
+                      f"seeds {','.join(map(str, long_seeds))} at each rate it asked for (**best**; a rate whose "
+                      f"neighbours both lost is where the walk stops):", "",
+                  "| scheme | R | steps | rates (mean over the seeds) | best |", "|---|---|---|---|---|"]
+        for (s, r, b), (best_lr, asked, done) in walks.items():
+            cells = []
+            for lr in sorted(asked):
+                m = long_mean(s, r, b, lr)
+                text = "not run yet" if m is None else "diverged" if m == math.inf else f"{m:.4f}"
+                cells.append(f"{lr:g}: " + (f"**{text}**" if lr == best_lr and done else text))
+            lines.append(f"| {s} | {r} | {b:,} | " + "; ".join(cells) + f" | {best_lr:g}"
+                         + ("" if done else " (walk not finished)") + " |")
+
+    # the verdict at each long budget: each long scheme at the rate its walk found best, seed by seed, and how far
+    # the gap moves when the scheme's rate moves one grid step
     checked_gaps, checked_gains = {}, {}
-    if checked:
-        last, seed = budgets[-1], cfg["long_seeds"][0]
-        won = {(s, r): check_winner(rate(s, r, last), cfg["rates"], lambda lr: results.get((s, r, 0.0, lr, seed, last)))
-               for s, r, _ in checked}
-        kept = {(s, r): lr and confirmed_rate(rate(s, r, last), lr, lambda x: losses(s, r, last, x))
-                for (s, r), lr in won.items()}
-        at_best = {(s, r): losses(s, r, last, lr) if lr else {} for (s, r), lr in kept.items()}
-        gains_at_best = {s: differences(at_best[s, 1], at_best[s, 3]) for s, r, _ in checked
+    for b in long_budgets:
+        at_best = {(s, r): losses(s, r, b, walks[s, r, b][0]) for s, r in walked}
+        gains_at_best = {s: differences(at_best[s, 1], at_best[s, 3]) for s, r in walked
                          if (s, 1) in at_best and (s, 3) in at_best}
-        checked_gains = {s: mean_std(list(gain.values())) for s, gain in gains_at_best.items()}
-        lines += ["", f"At the longest budget, each at the rate its check found best (the lowest of the three above; "
-                      f"where a neighbour won, its other seeds ran at it, and it stays only if it is lower on their "
-                      f"mean), with the gap to Pre-LN and the gain from loops from those runs, seed by seed:", "",
-                  f"| scheme | R | rate | {last:,} steps | gap to Pre-LN | gain from R = 1 to 3 | "
-                  f"gain minus Pre-LN's |", "|---|---|---|---|---|---|---|"]
-        for s, r, _ in checked:
-            base = baseline(s)
-            if s != base and (base, r) in at_best:
-                checked_gaps[s, r] = paired(at_best[s, r], at_best[base, r])
-            rate_text = ("check not finished" if not won[s, r] else f"{kept[s, r]:g}" + (
-                f"; {won[s, r]:g} won seed {seed} only" if won[s, r] != kept[s, r] else ""))
-            lines.append(f"| {s} | {r} | {rate_text} | "
-                         + fmt_loss(mean_std(list(at_best[s, r].values()))) + " | "
-                         + (fmt(checked_gaps.get((s, r))) if s != base else "—") + " | "
-                         + (fmt(checked_gains.get(s)) if r == 3 else "—") + " | "
-                         + (fmt(paired(gains_at_best.get(s, {}), gains_at_best.get(base, {})))
-                            if r == 3 and s != base else "—") + " |")
+        lines += ["", f"At {b:,} steps, each at the rate its walk found best, seed by seed (a difference: mean ± the "
+                      f"half-width of its 95% t-interval (seeds, p)); the last column: the gap to Pre-LN with the "
+                      f"scheme's rate one grid step lower / higher:", "",
+                  "| scheme | R | rate | loss | gap to Pre-LN | gain from R = 1 to 3 | gain minus Pre-LN's | gap one step "
+                  "lower / higher |", "|---|---|---|---|---|---|---|---|"]
+        for s, r in walked:
+            base, (best_lr, _, done) = baseline(s), walks[s, r, b]
+            gap = paired(at_best[s, r], at_best[base, r]) if s != base and (base, r) in at_best else None
+            gain = t_interval(list(gains_at_best[s].values())) if r == 3 and s in gains_at_best else None
+            versus = paired(gains_at_best.get(s, {}), gains_at_best.get(base, {})) if r == 3 and s != base else None
+            moved = "—" if gap is None or best_lr not in cfg["rates"] else " / ".join(
+                fmt(paired(losses(s, r, b, lr), at_best[base, r])) for lr in neighbours(best_lr, cfg["rates"]))
+            if b == long_budgets[-1]:
+                checked_gaps[s, r], checked_gains[s] = gap, gain if r == 3 else checked_gains.get(s)
+            lines.append(f"| {s} | {r} | {best_lr:g}{'' if done else ' (walk not finished)'} | "
+                         f"{fmt_loss(mean_std(list(at_best[s, r].values())))} | {fmt(gap) if s != base else '—'} | "
+                         f"{fmt(gain) if r == 3 else '—'} | {fmt(versus) if r == 3 and s != base else '—'} | {moved} |")
+    checked_gaps = {k: v for k, v in checked_gaps.items() if v}
+    checked_gains = {k: v for k, v in checked_gains.items() if v}
 
     seconds = {}
     for (s, r, p, lr, seed, steps), run in results.items():
@@ -334,7 +361,7 @@ def plot(cfg, losses, gaps, gains, lines_of, tokens, pairs, checked_gaps, checke
                                        "gain")):
         marked = False
         for (s, r), series in series_of.items():
-            points = [(tokens[b], series[b][0], series[b][1]) for b in budgets if series[b]]
+            points = [(tokens[b], series[b][0], np.nan_to_num(series[b][1])) for b in budgets if series[b]]  # 95% t
             if not points:
                 continue
             xs, ms, sd = zip(*points)
@@ -342,10 +369,11 @@ def plot(cfg, losses, gaps, gains, lines_of, tokens, pairs, checked_gaps, checke
             ax.errorbar(xs, ms, yerr=sd, marker="o", ms=3, capsize=2, color=colors[s],
                         ls="-" if r == 1 else "--", label=label)
             at_best = checked_gaps.get((s, r)) if key == "gap" else checked_gains.get(s)
-            if at_best:  # the longest budget at the rate its check found best
-                ax.errorbar([tokens[budgets[-1]]], [at_best[0]], yerr=[at_best[1]], marker="D", ms=6, mfc="none",
+            if at_best:  # the longest budget at the rate its walk found best
+                ax.errorbar([tokens[budgets[-1]]], [at_best[0]], yerr=[np.nan_to_num(at_best[1])], marker="D", ms=6,
+                            mfc="none",
                             capsize=2, color=colors[s], ls="none",
-                            label=None if marked else "at the rate checked best")
+                            label=None if marked else "at the rate the walk found best")
                 marked = True
             line = lines_of.get(("gap", s, r) if key == "gap" else ("gain", s))
             if line and key == "gap" and r == 1:

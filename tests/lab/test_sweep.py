@@ -2,6 +2,7 @@
 result.json is not trained again, so these tests train nothing), and one tiny real sweep for the train.py runs."""
 
 import json
+import math
 import os
 
 import numpy as np
@@ -361,15 +362,16 @@ def test_a_tiny_real_sweep_records_kappa_and_resumes(early):
     r = sweep(*args)  # finished runs are not trained again, and the sweep keeps their precision
     assert r.returncode == 0 and " s)\n" not in r.stdout
     assert f"dtype {dtype} for every run: the precision of the runs in {out}" in r.stdout
-    # a run the sweep interrupted (its folder holds a checkpoint, no result.json) is trained again from the start,
-    # the attempt's files kept aside by train.py's start_over
+    # a run the sweep interrupted (its folder holds a checkpoint, no result.json) resumes from that checkpoint: here
+    # the last step's, so it trains nothing more and reads the same final evaluation
     run_dir = out / "runs" / "preln_R1_p0_lr0.001_seed0"
     (run_dir / "result.json").unlink()
-    attempt = {name: (run_dir / name).read_bytes() for name in ("ckpt.pt", "metrics.jsonl")}
     r = sweep(*args)
     assert r.returncode == 0 and r.stdout.count(" s)\n") == 1, r.stderr
     assert json.loads((run_dir / "result.json").read_text())["val_loss"] == preln["val_loss"]
-    assert {name: (run_dir / "previous-1" / name).read_bytes() for name in attempt} == attempt
+    starts = [record for record in read_metrics(run_dir / "metrics.jsonl") if record["type"] == "start"]
+    assert [start["resumed"] for start in starts] == [False, True] and not (run_dir / "previous-1").exists()
+    assert result["machines"] == [starts[0]["machine"]] and result["machines"][0]["threads"] == 1
     other = "bfloat16" if dtype == "float32" else "float32"
     r = sweep(*args, f"--dtype={other}", "--loops=1,2,3")
     assert r.returncode == 2 and r.stderr == f"error: {out} holds runs in {dtype}; a sweep keeps one precision: " \
@@ -480,27 +482,31 @@ def test_budget_mode_reports_the_gap_to_preln_its_trend_and_the_gain_from_loops(
     assert "| deeploop | 1 | 0.003 | 3.3100 ± 0.0141 (2) | 2.7100 ± 0.0141 (2) | 2.1000 ± 0.0000 (1) |" in table
     gap = table.split("The gap to Pre-LN")[1]
     # 10 steps of 512 tokens is 5,120 tokens: the line through +0.3, +0.2, +0.1 reaches zero at 5.12e6 tokens
-    assert "| deeploop | 1 | +0.300 ± 0.000 (2) | +0.200 ± 0.000 (2) | +0.100 ± 0.000 (1) | -0.100 | 5.1e+06 tokens |" \
-        in gap
-    assert "| deeploop | 3 | +0.200 ± 0.000 (2) | +0.100 ± 0.000 (2) | +0.000 ± 0.000 (1) |" in gap
+    # (differences without spread: p 0; one seed: no interval)
+    assert "| deeploop | 1 | +0.300 ± 0.000 (2, p 0) | +0.200 ± 0.000 (2, p 0) | +0.100 (1 seed) | -0.100 | 5.1e+06 " \
+           "tokens |" in gap
+    assert "| deeploop | 3 | +0.200 ± 0.000 (2, p 0) | +0.100 ± 0.000 (2, p 0) | +0.000 (1 seed) |" in gap
     gain = table.split("The gain from loops: ")[1]
-    assert "| preln | +0.050 ± 0.000 (2) | +0.050 ± 0.000 (2) | +0.050 ± 0.000 (1) | +0.000 |" in gain
-    assert "| deeploop | +0.150 ± 0.000 (2) | +0.150 ± 0.000 (2) | +0.150 ± 0.000 (1) | +0.000 |" in gain
-    assert "| deeploop | +0.100 ± 0.000 (2) | +0.100 ± 0.000 (2) | +0.100 ± 0.000 (1) |" in table.split(
+    assert "| preln | +0.050 ± 0.000 (2, p 0) | +0.050 ± 0.000 (2, p 0) | +0.050 (1 seed) | +0.000 |" in gain
+    assert "| deeploop | +0.150 ± 0.000 (2, p 0) | +0.150 ± 0.000 (2, p 0) | +0.150 (1 seed) | +0.000 |" in gain
+    assert "| deeploop | +0.100 ± 0.000 (2, p 0) | +0.100 ± 0.000 (2, p 0) | +0.100 (1 seed) |" in table.split(
         "against Pre-LN's on the same block")[1]
-    # the rate checks at the longest budget, 1,000 steps, are planned at the grid's neighbours, not run yet
-    assert "| preln | 1 | 1,000 | not run yet | 2.0000 (lr 0.003) | not run yet |" in table
+    # the rate walk at the longest budget, 1,000 steps, asks for the grid's neighbours, not run yet
+    assert "| preln | 1 | 1,000 | 0.001: not run yet; 0.003: 2.0000; 0.009: not run yet | 0.003 (walk not " \
+           "finished) |" in table
     assert (out / "budget.png").stat().st_size > 20000
     # long_rate moves the long schemes' rate past full_grid_until: 1,000 steps read 1e-3, its check 3e-3 above it
     r = sweep(*BUDGET_ARGS, f"--out_dir={out}", "--report_only=True", "--long_rate=1e-3")
     assert r.returncode == 0, r.stderr
     assert "| preln | 1 | 0.003; 0.001 past 100 | 3.0100 ± 0.0141 (2) | 2.5100 ± 0.0141 (2) | — |" in r.stdout
-    assert "| preln | 1 | 1,000 | not run yet | not run yet | 2.0000 (lr 0.003) |" in r.stdout
+    assert "| preln | 1 | 1,000 | 0.000333: not run yet; 0.001: not run yet; 0.003: 2.0000 | 0.001 (walk not " \
+           "finished) |" in r.stdout
     r = sweep(*BUDGET_ARGS, f"--out_dir={out}", "--report_only=True")
-    # one check run arrives: it is read, and the lowest of the three is marked
+    # one run of the walk arrives: it is read, and the walk waits for the other
     write_budget_runs(out, {("preln", 1, 9e-3, 0, 1000): 1.95})
     r = sweep(*BUDGET_ARGS, f"--out_dir={out}", "--report_only=True")
-    assert "| preln | 1 | 1,000 | not run yet | 2.0000 (lr 0.003) | **1.9500** (lr 0.009) |" in r.stdout
+    assert "| preln | 1 | 1,000 | 0.001: not run yet; 0.003: 2.0000; 0.009: 1.9500 | 0.003 (walk not finished) |" \
+        in r.stdout
     # the study goes on elsewhere from its runs.jsonl: the same tables, and a run of that machine's own is kept
     runs_file = out / "runs.jsonl"
     assert len(runs_file.read_text().splitlines()) == len(runs) + 1
@@ -509,7 +515,8 @@ def test_budget_mode_reports_the_gap_to_preln_its_trend_and_the_gain_from_loops(
     r = sweep(*BUDGET_ARGS, f"--out_dir={elsewhere}", f"--results_from={runs_file}", "--report_only=True")
     assert r.returncode == 0, r.stderr
     assert f"{runs_file}: {len(runs)} of its {len(runs) + 1} runs taken as done" in r.stdout
-    assert "| preln | 1 | 1,000 | not run yet | **1.9000** (lr 0.003) | 1.9500 (lr 0.009) |" in r.stdout
+    assert "| preln | 1 | 1,000 | 0.001: not run yet; 0.003: 1.9000; 0.009: 1.9500 | 0.003 (walk not finished) |" \
+        in r.stdout
     bad = sweep(*BUDGET_ARGS, f"--out_dir={elsewhere}", f"--results_from={tmp_path / 'none.jsonl'}")
     assert (bad.returncode, bad.stderr) == (2, f"error: --results_from={tmp_path / 'none.jsonl'} is not a readable "
                                                f"runs.jsonl (FileNotFoundError): name the file a budget study wrote, "
@@ -558,31 +565,41 @@ def test_report_only_is_for_the_budget_mode():
     assert r.returncode == 2 and r.stderr.startswith("error: report_only applies to --mode=budget")
 
 
-def test_the_rate_check_nominates_the_lowest_of_three_and_the_other_seeds_confirm_it():
-    from lab.sweep_budget import check_winner, confirmed_rate
+def test_t_interval_and_p_on_made_up_differences_match_hand_values():
+    """Differences 1, 2, 3: mean 2, s = 1, se = 1/sqrt(3); t(0.975, 2 df) = 4.3027, so the half-width is 2.4841;
+    t = 2 sqrt(3) = 3.4641, and with 2 degrees of freedom P(T <= t) = 1/2 + t / (2 sqrt(2 + t^2)) exactly, so
+    p = 1 - t / sqrt(14) = 0.07418."""
+    from lab.sweep_budget import fmt, t_interval
+    m, half, n, p = t_interval([1.0, 2.0, 3.0])
+    assert (m, n) == (2.0, 3) and half == pytest.approx(4.302653 / 3 ** 0.5, rel=1e-6)
+    assert p == pytest.approx(1 - 2 * 3 ** 0.5 / 14 ** 0.5, rel=1e-9)
+    assert fmt((m, half, n, p)) == "+2.000 ± 2.484 (3, p 0.074)"
+    m, half, n, p = t_interval([0.0361, 0.0378, 0.0322])  # DeepLoop's gap at R = 1 and 43,000 steps: 4 df fewer
+    assert m - half > 0 and p < 0.01  # a finding: the interval excludes zero
+    assert t_interval([]) is None and fmt(t_interval([0.5])) == "+0.500 (1 seed)"
+    assert t_interval([0.1, 0.1, 0.1])[3] == 0.0  # no spread: a nonzero mean is certain
+
+
+def test_the_rate_walk_brackets_the_lowest_mean_on_every_seed():
+    from lab.sweep_budget import rate_walk
     rates = [1e-3, 3e-3, 1e-2]
-    assert check_winner(3e-3, rates, lambda lr: {"val_loss": {1e-3: 2.0, 3e-3: 1.9, 1e-2: 1.8}[lr]}) == 1e-2
-    assert check_winner(3e-3, rates, lambda lr: None if lr == 1e-2 else {"val_loss": 1.0}) is None  # not run yet
-    assert check_winner(3e-3, rates, lambda lr: {"val_loss": 1.5}) == 3e-3  # a tie keeps the chosen rate
-    assert check_winner(3e-3, rates, lambda lr: {"val_loss": None if lr == 1e-2 else 2.0 - lr}) == 3e-3  # diverged
-    assert check_winner(3e-3, rates, lambda lr: {"val_loss": None}) == 3e-3
-    assert check_winner(1e-2, rates, lambda lr: {"val_loss": 1.0 if lr == 3e-2 else 2.0}) == 3e-2  # past the edge
-    losses = {1e-2: {0: 1.307, 1: 1.322}, 3e-3: {0: 1.310, 1: 1.307, 2: 1.0}}  # DeepLoop at R = 3, 43,000 steps
-    assert confirmed_rate(3e-3, 1e-2, losses.get) == 3e-3  # won seed 0, lost on the mean of seeds 0 and 1
-    assert confirmed_rate(3e-3, 1e-2, lambda lr: {0: losses[lr][0]}) == 1e-2  # seed 0 alone: the check's word
-    assert confirmed_rate(3e-3, 1e-2, lambda lr: {} if lr == 3e-3 else losses[lr]) == 1e-2  # the chosen diverged
-    assert confirmed_rate(3e-3, 3e-3, losses.get) == 3e-3
+    means = {1e-3: 2.0, 3e-3: 1.9, 1e-2: 1.8, 3e-2: 1.85}.get
+    assert rate_walk(3e-3, rates, means) == (1e-2, [3e-3, 1e-3, 1e-2, 3e-2], True)  # on past the grid, then stops
+    assert rate_walk(3e-3, rates, lambda lr: None if lr == 1e-2 else 1.0) == (3e-3, [3e-3, 1e-3, 1e-2], False)
+    assert rate_walk(3e-3, rates, lambda lr: 1.5) == (3e-3, [3e-3, 1e-3, 1e-2], True)  # a tie keeps the chosen
+    assert rate_walk(3e-3, rates, lambda lr: math.inf if lr != 3e-3 else 2.0)[0] == 3e-3  # diverged: never best
+    # past the grid's edge one step of its spacing and no further: 3e-2 is off the grid, its neighbours not asked for
+    assert rate_walk(1e-2, rates, lambda lr: 1.0 / lr) == (3e-2, [1e-2, 3e-3, 3e-2], True)
 
 
-def test_budget_mode_runs_the_other_long_seeds_at_the_rate_its_check_found_best(tmp_path):
-    """Made-up runs where the check at the longest budget finds a neighbour better on seed 0 for Pre-LN at R = 1
-    (1e-3) and DeepLoop at R = 1 (1e-3) and R = 3 (1e-2): the study trains seed 1 at those rates and nothing else, and
-    its verdict table takes each (scheme, R) at that rate where seed 1 confirms it (not DeepLoop's at R = 1)."""
-    out = tmp_path / "checked"
-    at_longest = {("preln", 1): {3e-3: (2.00, 2.02), 1e-3: (1.90, 1.92), 1e-2: (2.10,)},
-                  ("preln", 3): {3e-3: (1.95, 1.97), 1e-3: (2.00,), 1e-2: (2.00,)},
-                  ("deeploop", 1): {3e-3: (2.05, 2.07), 1e-3: (2.00, 2.20), 1e-2: (None,)},  # 1e-2 diverged
-                  ("deeploop", 3): {3e-3: (1.96, 1.98), 1e-3: (2.10,), 1e-2: (1.93, 1.95)}}
+def test_budget_mode_walks_each_long_rate_on_every_long_seed_and_tables_it(tmp_path):
+    """Made-up runs: at the longest budget Pre-LN at R = 1 is best at 1e-3 (the chosen rate's lower neighbour) on the
+    mean of seeds 0 and 1 though seed 1 alone prefers 3e-3, and DeepLoop at R = 1 at 3e-3; the study trains exactly
+    the runs the walks still ask for (the neighbours on seed 1, and 3.33e-4, past Pre-LN's winner), and the verdict
+    table takes each at its walk's rate with the paired statistics."""
+    out = tmp_path / "walk"
+    at_longest = {("preln", 1): {3e-3: (2.00, 1.95), 1e-3: (1.90,), 1e-2: (2.10,)},
+                  ("deeploop", 1): {3e-3: (2.05, 2.07), 1e-3: (2.20,), 1e-2: (None,)}}  # 1e-2 diverged
     runs = {}
     for (s, r), by_rate in at_longest.items():
         for lr in (1e-3, 3e-3, 1e-2):
@@ -590,34 +607,36 @@ def test_budget_mode_runs_the_other_long_seeds_at_the_rate_its_check_found_best(
                 runs[s, r, lr, seed, 2] = 3.0 if lr == 3e-3 else 3.5
         for lr, losses in by_rate.items():
             runs.update({(s, r, lr, seed, 3): loss for seed, loss in enumerate(losses)})
-    won = [("preln", 1, 1e-3, 1, 3), ("deeploop", 1, 1e-3, 1, 3), ("deeploop", 3, 1e-2, 1, 3)]
-    write_budget_runs(out, {job: loss for job, loss in runs.items() if job not in won})
-    args = ["--mode=budget", "--dataset=builtin_bytes", "--schemes=preln,deeploop", "--loops=1,3",
+    write_budget_runs(out, runs)
+    args = ["--mode=budget", "--dataset=builtin_bytes", "--schemes=preln,deeploop", "--loops=1",
             "--learning_rates=1e-3,3e-3,1e-2", "--seeds=0,1", "--budgets=2,3", "--full_grid_until=2",
             "--long_schemes=preln,deeploop", "--long_seeds=0,1", "--warmup_iters=1", "--eval_iters=1",
             f"--out_dir={out}", "--workers=1"]
     r = sweep(*args, "--report_only=True")
     assert r.returncode == 0, r.stderr
-    verdict = r.stdout.split("At the longest budget")[1]
-    assert "| preln | 1 | 0.001 | 1.9000 ± 0.0000 (1) | — | — | — |" in verdict
-    assert "| deeploop | 1 | 0.001 | 2.0000 ± 0.0000 (1) | +0.100 ± 0.000 (1) | — | — |" in verdict
-    # the study trains the runs the checks asked for, and nothing else
+    assert "| preln | 1 | 3 | 0.001: not run yet; 0.003: 1.9750; 0.01: not run yet | 0.003 (walk not finished) |" \
+        in r.stdout
     r = sweep(*args)
     assert r.returncode == 0, r.stderr
     trained = [line.split()[0] for line in r.stdout.splitlines() if line.endswith(" s)")]
-    assert trained == ["preln_R1_p0_lr0.001_seed1_it3", "deeploop_R1_p0_lr0.001_seed1_it3",
-                       "deeploop_R3_p0_lr0.01_seed1_it3"]
-    for job in won:  # made-up losses in place of the real 3-step runs', for the table
-        name = "{}_R{}_p0_lr{:g}_seed{}_it{}".format(*job)
-        result = json.loads((out / "runs" / name / "result.json").read_text())
-        result["val_loss"] = runs[job]
-        (out / "runs" / name / "result.json").write_text(json.dumps(result))
+    assert trained[:4] == ["preln_R1_p0_lr0.001_seed1_it3", "preln_R1_p0_lr0.01_seed1_it3",
+                           "deeploop_R1_p0_lr0.001_seed1_it3", "deeploop_R1_p0_lr0.01_seed1_it3"]
+    made_up = {("preln", 1e-3, 1): 1.96, ("preln", 1e-2, 1): 2.2, ("deeploop", 1e-3, 1): 2.3,
+               ("deeploop", 1e-2, 1): 2.4, ("preln", 3.33e-4, 0): 2.5, ("preln", 3.33e-4, 1): 2.6}
+    for (s, lr, seed), loss in made_up.items():  # in place of the real 3-step runs' losses, for the walk and table
+        path = out / "runs" / f"{s}_R1_p0_lr{lr:g}_seed{seed}_it3" / "result.json"
+        if path.exists():
+            result = json.loads(path.read_text())
+            path.write_text(json.dumps({**result, "val_loss": loss}))
+        else:
+            write_budget_runs(out, {(s, 1, lr, seed, 3): loss})
     r = sweep(*args, "--report_only=True")
-    verdict = r.stdout.split("At the longest budget")[1]
-    assert "| preln | 1 | 0.001 | 1.9100 ± 0.0141 (2) | — | — | — |" in verdict
-    assert "| preln | 3 | 0.003 | 1.9600 ± 0.0141 (2) | — | -0.050 ± 0.000 (2) | — |" in verdict
-    # DeepLoop's 1e-3 at R = 1 won seed 0 and lost seed 1 by more: the chosen rate stays
-    assert "| deeploop | 1 | 0.003; 0.001 won seed 0 only | 2.0600 ± 0.0141 (2) | +0.150 ± 0.000 (2) | — | — |" \
-        in verdict
-    assert ("| deeploop | 3 | 0.01 | 1.9400 ± 0.0141 (2) | -0.020 ± 0.000 (2) | +0.120 ± 0.000 (2) "
-            "| +0.170 ± 0.000 (2) |") in verdict
+    assert "| preln | 1 | 3 | 0.000333: 2.5500; 0.001: **1.9300**; 0.003: 1.9750; 0.01: 2.1500 | 0.001 |" in r.stdout
+    assert "| deeploop | 1 | 3 | 0.001: 2.2500; 0.003: **2.0600**; 0.01: diverged | 0.003 |" in r.stdout
+    verdict = r.stdout.split("At 3 steps")[1]
+    assert "| preln | 1 | 0.001 | 1.9300 ± 0.0424 (2) | — | — | — | — |" in verdict
+    # 2.05 - 1.90 and 2.07 - 1.96: mean 0.13, s 0.0283, se 0.02, t(0.975, 1 df) = 12.706, t = 6.5 and, with one
+    # degree of freedom, p = 1 - 2 atan(t) / pi = 0.097; one step lower, 1e-3: 0.30 and 0.34, t = 16, p = 0.040; one
+    # step higher, 1e-2: the seed that diverged drops out
+    assert "| deeploop | 1 | 0.003 | 2.0600 ± 0.0141 (2) | +0.130 ± 0.254 (2, p 0.097) | — | — | " \
+           "+0.320 ± 0.254 (2, p 0.04) / +0.440 (1 seed) |" in verdict
