@@ -243,6 +243,31 @@ def resume_mismatch(ckpt_path, checkpoint, model, model_args, meta, dataset, tas
     return None
 
 
+def load_checkpoint(path, device="cpu"):
+    """A checkpoint of train.py -> (model.GPT on device, the checkpoint dict), read onto the CPU (its optimizer state
+    takes no device memory), weights_only (never running code from the file). Raises saying what to do."""
+    from model import GPT, GPTConfig
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint at {path}; train one with `python train.py config/smoke_cpu.py` "
+                                f"or set --out_dir")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        with open(path, "rb") as f:
+            zipped = f.read(4) == b"PK\x03\x04"  # torch.save's format: a zip archive
+        if zipped:
+            raise ValueError(f"{path} is damaged: a checkpoint that does not load whole ({type(e).__name__}), "
+                             f"cut short or corrupted after it was written, e.g. by an interrupted copy; copy it "
+                             f"again from where it came from") from e
+        raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}); point --out_dir at a "
+                         f"train.py run") from e
+    if not isinstance(ckpt, dict) or ckpt.get("program") != "deeploop-train":
+        raise ValueError(f"{path} was not written by this project's train.py; point --out_dir at a train.py run")
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    model.load_state_dict(ckpt["model"])
+    return model.to(device), ckpt
+
+
 class CheckpointFile:
     """ckpt.pt, only ever replaced whole, and the step it holds (step None: this run has written none yet); time:
     when it was last written."""

@@ -6,21 +6,15 @@ A looped GPT stores `n_layer` physical blocks and runs the whole stack `n_loop` 
 DeepNorm's Post-LN block, x = Norm(alpha * x + f(x)), and changes two numbers only: alpha, how much the residual
 stream is up-weighted before each norm, and beta, how much the branches' matrices are scaled down at init.
 
-Read top to bottom:
-    residual_coefficients    the rule: alpha and beta from the unrolled depth, and why the exponent is 1/2
-    GPTConfig                the settings
-    CausalSelfAttention, MLP GPT-2's two branches (RMSNorm and RoPE are options: the paper's backbone)
-    Block                    where alpha acts
-    GPT                      where beta acts (at init) and where the blocks loop (forward)
-The recurrent-depth models' shape (Huginn's prelude and coda blocks around the looped core, the input fed into every
-loop) is here too, off by default. What a researcher adds on top (sampled loop counts, adaptive exit, probes, FLOP
-counts, sweeps) lives in lab/ and builds on GPT's embed, loop and readout.
+Read top to bottom: residual_coefficients (the rule, and why the exponent is 1/2), GPTConfig, GPT-2's two branches
+(RMSNorm and RoPE are options: the paper's backbone), Block (where alpha acts), GPT (where beta acts, at init, and
+where the blocks loop, in forward). Huginn's prelude and coda blocks and the input fed into every loop are here too,
+off by default; what a researcher adds on top lives in lab/ and builds on GPT's embed, loop and readout.
 """
 
 import inspect
 import itertools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -32,9 +26,8 @@ PRE_LN = ("preln", "preln_scaled")  # GPT-2's block x = x + f(Norm(x)); the othe
 OWN_EXPONENT = {"deeploop": 0.5, "deepnorm": 0.25}  # p of each scheme that has one
 CHOICES = dict(residual=RESIDUALS, norm=("layernorm", "rmsnorm"), position_encoding=("learned", "rope"),
                loop_input=("none", "add", "concat"))
-# The most loops a forward pass may run. A training step never ends early (train.py lets a step finish on SIGTERM
-# before it saves), so a step must end in bounded time, and a typo such as --n_loop=10**12 must not grow the visits
-# until memory runs out. 1024 is 32 times Huginn's training mean of 32.
+# The most loops a forward pass may run: a training step never ends early (on SIGTERM too), so it must end in bounded
+# time, whatever the typo (--n_loop=10**12). 1024 is 32 times Huginn's training mean of 32.
 MAX_LOOPS = 1024
 
 
@@ -70,10 +63,8 @@ def residual_coefficients(residual, unrolled_depth, exponent=0.0):
 
 
 def branch_scale(residual, n_blocks, n_loop, lam=1.0):
-    """epsilon, the factor of both branches of a Pre-LN block, x = x + epsilon * f(Norm(x)): lam / (n_loop *
-    sqrt(n_blocks)) for preln_scaled, the rival rule of Wang et al. (arXiv 2606.18524: a looped block's visits make
-    correlated updates and need 1/n_loop, independent blocks 1/sqrt), and 1 for every other scheme.
-    docs/text.md sets the four rules side by side."""
+    """epsilon of a Pre-LN block x = x + epsilon * f(Norm(x)): lam / (n_loop * sqrt(n_blocks)) for preln_scaled, the
+    rival rule (arXiv 2606.18524: a looped block's visits make correlated updates), 1 for every other scheme."""
     if not 0 < lam < math.inf:
         raise ValueError(f"residual_lambda must be a positive number (the paper's lambda, 1 by default), got {lam}")
     if residual != "preln_scaled":
@@ -331,12 +322,11 @@ class GPT(nn.Module):
         wpe = self.transformer.wpe
         return n - wpe.weight.numel() if non_embedding and wpe is not None else n
 
-    # A forward pass in three parts, which the lab's instruments also run one by one. `caches` is an iterator that
-    # gives each block, in the order of the visits, its KVCache (or None): see forward.
+    # A forward pass in three parts, which the lab's instruments also run one by one; `caches` gives each block, in
+    # the order of the visits, its KVCache (or None)
 
     def embed(self, idx, start, caches):
-        """The input of the looped core: token (and position) embeddings from position `start` on, then the
-        prelude."""
+        """The input of the looped core: token (and position) embeddings from position `start` on, then the prelude."""
         if start + idx.size(1) > self.config.block_size:
             raise ValueError(f"sequence of length {start + idx.size(1)} is longer than block_size "
                              f"{self.config.block_size}")
@@ -429,9 +419,8 @@ class GPT(nn.Module):
             yield idx_next
 
     def compile_blocks(self, **options):
-        """torch.compile every block and the loss in place (options as torch.compile's). Compiling forward whole
-        would trace the unrolled loop, one graph per loop count, and past dynamo's limit of 8 further counts run
-        uncompiled; one Block graph serves every visit at any count."""
+        """torch.compile every block and the loss in place: one Block graph serves every visit at any loop count, where
+        compiling forward whole would trace one graph per count (past dynamo's limit of 8, uncompiled)."""
         for block in (*self.transformer.prelude, *self.transformer.h, *self.transformer.coda):
             block.compile(**options)
         self.loss = torch.compile(self.loss, **options)
@@ -443,28 +432,3 @@ class GPT(nn.Module):
                   dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
         fused = "fused" in inspect.signature(torch.optim.AdamW).parameters and device_type in ("cuda", "cpu")
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **(dict(fused=True) if fused else {}))
-
-    @classmethod
-    def from_checkpoint(cls, path, device="cpu"):
-        """A checkpoint of train.py -> (model on device, the checkpoint dict). Read onto the CPU, so that its optimizer
-        state takes no device memory; weights_only: loading never runs code from the file. Raises FileNotFoundError
-        or ValueError saying what to do."""
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"no checkpoint at {path}; train one with `python train.py config/smoke_cpu.py` "
-                                    f"or set --out_dir")
-        try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:
-            with open(path, "rb") as f:
-                zipped = f.read(4) == b"PK\x03\x04"  # torch.save's format: a zip archive
-            if zipped:
-                raise ValueError(f"{path} is damaged: a checkpoint that does not load whole ({type(e).__name__}), "
-                                 f"cut short or corrupted after it was written, e.g. by an interrupted copy; copy it "
-                                 f"again from where it came from") from e
-            raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}); point --out_dir at a "
-                             f"train.py run") from e
-        if not isinstance(ckpt, dict) or ckpt.get("program") != "deeploop-train":
-            raise ValueError(f"{path} was not written by this project's train.py; point --out_dir at a train.py run")
-        model = cls(GPTConfig(**ckpt["model_args"]))
-        model.load_state_dict(ckpt["model"])
-        return model.to(device), ckpt

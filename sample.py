@@ -21,7 +21,8 @@ import torch._dynamo
 from runtime import check_device, precision, tune_malloc
 from configurator import configure, die
 from dataset import get_tokenizer, valid_text
-from model import GPT, MAX_LOOPS
+from model import MAX_LOOPS
+from guard import load_checkpoint
 
 LAB = globals().get("LAB")  # the seam (above): lab/sample.py's Lab under python -m lab.sample
 
@@ -64,7 +65,7 @@ if start.startswith("FILE:"):
 
 try:
     check_device(device)
-    model, checkpoint = GPT.from_checkpoint(f"{out_dir}/ckpt.pt", device)
+    model, checkpoint = load_checkpoint(f"{out_dir}/ckpt.pt", device)
     if checkpoint["tokenizer"] not in ("gpt2", "bytes"):  # a task of the lab's: no text to print
         die(f"{out_dir} was trained on {checkpoint['tokenizer']}, not on text: show its answers with python -m "
             f"lab.depth_eval --out_dir={out_dir}")

@@ -171,7 +171,7 @@ if init_from == "scratch":
     iter_num, best_val_loss, evaluated = 0, math.inf, False
 else:
     try:
-        raw_model, checkpoint = GPT.from_checkpoint(ckpt_path, device)
+        raw_model, checkpoint = guard.load_checkpoint(ckpt_path, device)
     except (FileNotFoundError, ValueError) as e:
         die(str(e))
     if mismatch := guard.resume_mismatch(ckpt_path, checkpoint, raw_model, model_args, meta, dataset, task, LAB):

@@ -16,7 +16,8 @@ import torch
 
 from configurator import configure, die
 from dataset import EVAL_SEED
-from model import GPT, MAX_LOOPS
+from model import MAX_LOOPS
+from guard import load_checkpoint
 from runtime import check_device
 from lab.tasks import TASKS, best_shortcut, evaluate, evaluate_exit, format_by_k, make_task, run_precision, shortcuts
 
@@ -33,7 +34,7 @@ if examples < 0:
 
 try:
     check_device(device)
-    model, checkpoint = GPT.from_checkpoint(f"{out_dir}/ckpt.pt", device)
+    model, checkpoint = load_checkpoint(f"{out_dir}/ckpt.pt", device)
 except (FileNotFoundError, ValueError) as e:
     die(str(e))
 config = checkpoint["config"]

@@ -59,7 +59,8 @@ from tqdm import tqdm
 from configurator import configure, die
 from runtime import check_device, precision, tune_malloc
 from dataset import get_tokenizer
-from model import GPT, MAX_LOOPS
+from model import MAX_LOOPS
+from guard import load_checkpoint
 from lab.tasks import require_text
 
 out_dir = "out"  # the train.py run to evaluate: reads out_dir/ckpt.pt, writes the results JSON there
@@ -244,7 +245,7 @@ if __name__ == "__main__":
         die(f"--include_path={include_path} is not a folder; point it at a folder of task YAML files")
     try:
         check_device(device)
-        model, checkpoint = GPT.from_checkpoint(os.path.join(out_dir, "ckpt.pt"), device)
+        model, checkpoint = load_checkpoint(os.path.join(out_dir, "ckpt.pt"), device)
         require_text(checkpoint, out_dir)
         dtype, dtype_reason, autocast = precision(device, dtype, model.config.n_embd, model.config.block_size)
     except (ValueError, FileNotFoundError) as e:

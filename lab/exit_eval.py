@@ -22,7 +22,8 @@ from torch.nn import functional as F
 from configurator import configure, die
 from lab import require
 from dataset import EVAL_SEED, TokenWindows
-from model import GPT, MAX_LOOPS
+from model import MAX_LOOPS
+from guard import load_checkpoint
 from runtime import check_device
 from lab.decode import KV_CACHES, exit_logits, new_caches
 from lab.tasks import TASKS, accuracy_by_k, format_by_k, hits_by_k, make_task
@@ -62,7 +63,7 @@ if png:  # checked before the evaluation, which can take minutes
             f"{', '.join(sorted(formats))}")
 try:
     check_device(device)
-    model, checkpoint = GPT.from_checkpoint(f"{out_dir}/ckpt.pt", device)
+    model, checkpoint = load_checkpoint(f"{out_dir}/ckpt.pt", device)
 except (FileNotFoundError, ValueError) as e:
     die(str(e))
 model.eval()

@@ -46,7 +46,8 @@ import torch
 from configurator import configure, die
 from lab import require
 from dataset import get_tokenizer
-from model import GPT, MAX_LOOPS, PRE_LN
+from model import MAX_LOOPS, PRE_LN
+from guard import load_checkpoint
 from lab.tasks import require_text
 
 out_dir = "out"     # the train.py run to export (its ckpt.pt), or the path of a checkpoint file
@@ -87,7 +88,7 @@ def load(out_dir, to, gpt2=False, n_loop=0):
     if os.path.exists(to) and not (os.path.isdir(to) and not os.listdir(to)):
         raise ValueError(f"{to} exists and is not an empty folder: choose another --to, or delete it first")
     path = checkpoint_path(out_dir)
-    model, checkpoint = GPT.from_checkpoint(path)
+    model, checkpoint = load_checkpoint(path)
     require_text(checkpoint, out_dir)
     enc = get_tokenizer(checkpoint["tokenizer"])
     if model.config.vocab_size < enc.n_vocab:

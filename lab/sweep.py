@@ -67,6 +67,7 @@ from configurator import configure, die
 from lab import require
 from dataset import load_meta, read_shard
 from model import OWN_EXPONENT, RESIDUALS
+from guard import load_checkpoint
 from lab.plot import read_metrics
 from prepare_data import prepare_builtin_if_missing
 
@@ -329,7 +330,6 @@ def depth_result(run_dir, records, final):
     accuracy by k at other loop counts (test-time depth: each of the sweep's loop counts, and twice the largest), in
     the run's precision as train.py evaluates (tasks.run_precision): at its own loop count, the run's accuracy."""
     import torch
-    from model import GPT
     from dataset import EVAL_SEED
     from lab.tasks import best_shortcut, evaluate, make_task, run_precision
     start = [r for r in records if r["type"] == "start"][-1]
@@ -337,7 +337,7 @@ def depth_result(run_dir, records, final):
                   test_time={})
     if final and mode == "depth" and start["config"]["n_layer"] == n_layer:  # not the untied control
         torch.set_num_threads(1)
-        model, checkpoint = GPT.from_checkpoint(os.path.join(run_dir, "ckpt.pt"))
+        model, checkpoint = load_checkpoint(os.path.join(run_dir, "ckpt.pt"))
         task = make_task(checkpoint["config"], "val", EVAL_SEED)
         _, autocast = run_precision(checkpoint, "cpu")
         for loops in sorted(set(loop_list) | {2 * max(loop_list)}):

@@ -7,6 +7,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 from torch.nn import functional as F
 
+from guard import load_checkpoint
 from model import (CHOICES, GPT, MAX_LOOPS, PRE_LN, RESIDUALS, GPTConfig, KVCache, Rotary, branch_scale,
                    residual_coefficients)
 from models import BACKBONES, HUGINN, HUGINN_BACKBONES, NO_CACHE, PAPER, backbone_id, perturbed, tiny
@@ -298,7 +299,7 @@ def test_compiled_greedy_decode_equals_eager_with_a_few_graphs_for_any_length():
         torch._dynamo.reset()
 
 
-def test_from_checkpoint_reads_onto_the_cpu_then_moves_the_model(tmp_path):
+def test_load_checkpoint_reads_onto_the_cpu_then_moves_the_model(tmp_path):
     model = GPT(tiny())
     args = dict(block_size=32, vocab_size=128, n_layer=2, n_loop=1, n_head=2, n_embd=32, dropout=0.0, bias=True)
     optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
@@ -307,25 +308,25 @@ def test_from_checkpoint_reads_onto_the_cpu_then_moves_the_model(tmp_path):
     torch.save(dict(program="deeploop-train", model=model.state_dict(), model_args=args,
                     optimizer=optimizer.state_dict()), tmp_path / "ckpt.pt")
     # "meta" stands in for a GPU here: the model goes there, what the file held stays on the CPU
-    loaded, ckpt = GPT.from_checkpoint(str(tmp_path / "ckpt.pt"), device="meta")
+    loaded, ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"), device="meta")
     assert {p.device.type for p in loaded.parameters()} == {"meta"}
     assert {t.device.type for state in ckpt["optimizer"]["state"].values() for t in state.values()} == {"cpu"}
-    loaded, _ = GPT.from_checkpoint(str(tmp_path / "ckpt.pt"))
+    loaded, _ = load_checkpoint(str(tmp_path / "ckpt.pt"))
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
 
 
-def test_from_checkpoint_raises_with_the_fix_in_the_message(tmp_path):
+def test_load_checkpoint_raises_with_the_fix_in_the_message(tmp_path):
     path = str(tmp_path / "ckpt.pt")
     with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*ckpt.pt; train one with `python train.py "
                                                 r"config/smoke_cpu.py` or set --out_dir"):
-        GPT.from_checkpoint(path)
+        load_checkpoint(path)
     with open(path, "w") as f:
         f.write("not a checkpoint")
     with pytest.raises(ValueError, match=r"ckpt.pt is not a readable checkpoint \(UnpicklingError\); point --out_dir"):
-        GPT.from_checkpoint(path)
+        load_checkpoint(path)
     torch.save({"a": 1}, path)
     with pytest.raises(ValueError, match="ckpt.pt was not written by this project's train.py"):
-        GPT.from_checkpoint(path)
+        load_checkpoint(path)
     torch.save(dict(program="deeploop-train", weights=torch.zeros(10000)), path)
     with open(path, "rb") as f:
         whole = f.read()
@@ -335,7 +336,7 @@ def test_from_checkpoint_raises_with_the_fix_in_the_message(tmp_path):
         with pytest.raises(ValueError, match=r"ckpt.pt is damaged: a checkpoint that does not load whole \(\w+\), cut "
                                              r"short or corrupted after it was written, e.g. by an interrupted copy; "
                                              r"copy it again from where it came from$"):
-            GPT.from_checkpoint(path)
+            load_checkpoint(path)
 
 
 @pytest.mark.parametrize("name", ["plain", "huginn"])
@@ -346,7 +347,7 @@ def test_checkpoints_written_before_the_lab_split_compute_what_they_computed_the
     within float32 rounding: bit for bit on the CPU that wrote them, up to 7e-9 (of 0.33) on a Zen 3, whose kernels
     sum in another order."""
     expected = torch.load(os.path.join(FIXTURES, "outputs_before_lab.pt"), weights_only=True)[name]
-    model, _ = GPT.from_checkpoint(os.path.join(FIXTURES, f"ckpt_{name}_before_lab.pt"))
+    model, _ = load_checkpoint(os.path.join(FIXTURES, f"ckpt_{name}_before_lab.pt"))
     model.eval()
     idx = expected["idx"]
     assert len(expected["logits"]) == 3 and len(expected["greedy"]) == 2
@@ -362,7 +363,7 @@ def test_model_module_imports_nothing_of_the_project_and_never_exits():
     with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model.py")) as f:
         source = f.read()
     imported = {line.split()[1].split(".")[0] for line in source.splitlines() if line.startswith(("import ", "from "))}
-    assert imported == {"inspect", "itertools", "math", "os", "dataclasses", "torch"}
+    assert imported == {"inspect", "itertools", "math", "dataclasses", "torch"}
     assert "exit(" not in source and "die(" not in source
 
 
@@ -466,7 +467,7 @@ def test_checkpoint_without_backbone_settings_loads_as_gpt2_blocks(tmp_path):
     old_args = dict(block_size=32, vocab_size=128, n_layer=2, n_loop=2, n_head=2, n_embd=32, dropout=0.0, bias=True,
                     residual="deeploop")
     torch.save(dict(program="deeploop-train", model=model.state_dict(), model_args=old_args), tmp_path / "ckpt.pt")
-    loaded, _ = GPT.from_checkpoint(str(tmp_path / "ckpt.pt"))
+    loaded, _ = load_checkpoint(str(tmp_path / "ckpt.pt"))
     config = loaded.config
     assert (config.norm, config.position_encoding, config.norm_branch_input) == ("layernorm", "learned", False)
     idx = torch.randint(0, 128, (1, 12))

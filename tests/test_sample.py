@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
+from guard import load_checkpoint
 from dataset import get_tokenizer
 from prepare_data import prepare
 from scripts import block_calls_counted, run_script
@@ -97,7 +98,7 @@ def test_greedy_bytes_sample_is_readable_same_without_cache_other_with_more_loop
 def test_cached_greedy_generation_in_bfloat16_equals_recomputing_the_context(bytes_run):
     """In bfloat16 (autocast: the blocks' weights cast once, the model computing in bfloat16) the cache
     changes the speed, not the first 50 tokens of the trained model's greedy output."""
-    model, checkpoint = GPT.from_checkpoint(str(bytes_run / "ckpt.pt"))
+    model, checkpoint = load_checkpoint(str(bytes_run / "ckpt.pt"))
     model.eval()
     prompt = torch.tensor([get_tokenizer(checkpoint["tokenizer"]).encode_ordinary("The ")])
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -113,7 +114,7 @@ def test_fixed_seed_gives_identical_samples_streamed_as_decoded(bytes_run):
     argv = ["--start=A caf", *(f"--{k}={v}" for k, v in args.items())]
     streamed = sample(bytes_run, *argv)
     assert sample(bytes_run, *argv) == streamed
-    model, checkpoint = GPT.from_checkpoint(str(bytes_run / "ckpt.pt"))
+    model, checkpoint = load_checkpoint(str(bytes_run / "ckpt.pt"))
     enc = get_tokenizer(checkpoint["tokenizer"])
     model.eval()
     prompt = enc.encode_ordinary("A caf")

@@ -18,6 +18,7 @@ import torch
 
 from dataset import EVAL_SEED, TokenWindows
 from model import GPT, GPTConfig
+from guard import load_checkpoint
 from runtime import flops_per_token
 from lab.loops import TrainLoops
 from lab.plot import read_metrics
@@ -91,7 +92,7 @@ def test_run_writes_checkpoint_and_metrics(first_half):
     # the vocab comes from the dataset: the bytes tokenizer's 257 ids padded up to a multiple of 64
     assert ckpt["tokenizer"] == "bytes" and ckpt["model_args"]["vocab_size"] == 320
     assert ckpt["config"]["dataset"] == "fixture" and ckpt["config"]["max_iters"] == HALF
-    model, _ = GPT.from_checkpoint(os.path.join(out_dir, "ckpt.pt"))
+    model, _ = load_checkpoint(os.path.join(out_dir, "ckpt.pt"))
     assert model.lm_head.weight.shape == (320, 32)
 
     assert [r["iter"] for r in records(out_dir, "train")] == list(range(HALF))
@@ -143,12 +144,12 @@ def test_residual_exponent_travels_in_the_checkpoint_and_old_checkpoints_load(wo
     path = os.path.join(workdir, "exponent", "ckpt.pt")
     ckpt = load(workdir / "exponent")
     assert ckpt["model_args"]["residual_exponent"] == 0.35
-    model, _ = GPT.from_checkpoint(path)
+    model, _ = load_checkpoint(path)
     assert model.alpha == pytest.approx(8 ** 0.35)  # N = 2 blocks x 2 loops
     # a checkpoint written before the setting existed loads with the scheme's own exponent
     del ckpt["model_args"]["residual_exponent"]
     torch.save(ckpt, path)
-    model, _ = GPT.from_checkpoint(path)
+    model, _ = load_checkpoint(path)
     assert model.alpha == pytest.approx(8 ** 0.5)
     result = train(workdir, "--out_dir=exponent_preln", "--max_iters=1", "--residual=preln",
                    "--residual_exponent=0.3", expect_rc=2)
@@ -161,16 +162,16 @@ def test_residual_lambda_travels_in_the_checkpoint_and_a_bad_one_is_a_one_line_e
     path = os.path.join(workdir, "rival", "ckpt.pt")
     ckpt = load(workdir / "rival")
     assert ckpt["model_args"]["residual_lambda"] == 2.0
-    model, _ = GPT.from_checkpoint(path)
+    model, _ = load_checkpoint(path)
     assert model.epsilon == pytest.approx(2 / (2 * 2 ** 0.5))  # 2 loops over 2 blocks
     del ckpt["model_args"]["residual_lambda"]  # a checkpoint from before the setting: lambda 1
     torch.save(ckpt, path)
-    assert GPT.from_checkpoint(path)[0].epsilon == pytest.approx(1 / (2 * 2 ** 0.5))
+    assert load_checkpoint(path)[0].epsilon == pytest.approx(1 / (2 * 2 ** 0.5))
     result = train(workdir, "--out_dir=rival", "--max_iters=1", "--residual=preln_scaled", "--residual_lambda=-1",
                    expect_rc=2)
     assert result.stderr == ("error: residual_lambda must be a positive number (the paper's lambda, 1 by default), "
                              "got -1.0\n")
-    assert GPT.from_checkpoint(path)[0].epsilon == pytest.approx(1 / (2 * 2 ** 0.5))  # nothing overwritten
+    assert load_checkpoint(path)[0].epsilon == pytest.approx(1 / (2 * 2 ** 0.5))  # nothing overwritten
 
 
 @pytest.fixture(scope="module")
@@ -405,7 +406,7 @@ def test_mfu_counts_the_loops_each_step_ran(workdir):
     """MFU over tokens/s is FLOPs per token over peak_flops: the FLOPs of the loops each logged step ran, its backward
     pass over the tracked loops only. 4 loops sampled on a model built for 1 count as 4 loops."""
     train(workdir, "--out_dir=mfu", "--max_iters=6", "--n_loop=1", *SAMPLED, "--backprop_loops=2", lab=True)
-    model = GPT.from_checkpoint(str(workdir / "mfu" / "ckpt.pt"))[0]
+    model = load_checkpoint(str(workdir / "mfu" / "ckpt.pt"))[0]
     steps = records(workdir / "mfu", "train")
     assert {r["loops"] for r in steps} == {1, 2, 3}
     for r in steps:
@@ -711,7 +712,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(workdir, first_half):
         f"error: writing {out_dir.name}/ckpt.pt failed at step 8: No space left on device; {out_dir.name}/ckpt.pt "
         f"keeps step {HALF}; make room (or fix the folder) and resume with --init_from=resume"]
     assert (out_dir / "ckpt.pt").read_bytes() == before and not (out_dir / "ckpt.pt.tmp").exists()
-    GPT.from_checkpoint(str(out_dir / "ckpt.pt"))
+    load_checkpoint(str(out_dir / "ckpt.pt"))
 
 
 def test_a_full_disk_leaves_no_half_record_in_metrics(workdir):
@@ -761,7 +762,7 @@ def test_ten_sigkills_at_random_moments_then_the_same_final_weights(workdir, who
             proc.kill()
             proc.wait()
         if (out_dir / "ckpt.pt").exists():
-            GPT.from_checkpoint(str(out_dir / "ckpt.pt"))
+            load_checkpoint(str(out_dir / "ckpt.pt"))
     assert 0 < load(out_dir)["iter_num"]
     train(workdir, *args, "--init_from=resume")
     ckpt, expected = load(out_dir), load(whole)
@@ -931,7 +932,7 @@ def test_prelude_coda_and_loop_input_travel_in_the_checkpoint_and_bad_ones_are_o
     ckpt = load(workdir / "huginn")
     assert {k: ckpt["model_args"][k] for k in ("n_prelude", "n_coda", "loop_input")} == dict(
         n_prelude=1, n_coda=1, loop_input="concat")
-    model, _ = GPT.from_checkpoint(os.path.join(workdir, "huginn", "ckpt.pt"))
+    model, _ = load_checkpoint(os.path.join(workdir, "huginn", "ckpt.pt"))
     assert (len(model.transformer.prelude), len(model.transformer.coda), model.config.unrolled_depth) == (1, 1, 6)
     assert model.alpha == pytest.approx(12 ** 0.5)  # N = 1 + 2 x 2 + 1
     assert {r["loops"] for r in records(workdir / "huginn", "train")} <= {1, 2, 3}

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from dataset import get_tokenizer
-from model import GPT
+from guard import load_checkpoint
 from models import learned_by_heart
 from scripts import ROOT, run_script
 from test_export_hf import save_checkpoint
@@ -137,7 +137,7 @@ def sample_py(out_dir, prompt, new_tokens, loops):
 
 def greedy_ids(out_dir, prompt, new_tokens, loops):
     """The token ids GPT.generate (what sample.py runs) picks greedily after the prompt."""
-    model, _ = GPT.from_checkpoint(os.path.join(out_dir, "ckpt.pt"))
+    model, _ = load_checkpoint(os.path.join(out_dir, "ckpt.pt"))
     idx = torch.tensor([BYTES.encode_ordinary(prompt)])
     with torch.no_grad():
         out = model.eval().generate(idx, new_tokens, top_k=1, n_loop=loops, vocab_size_limit=BYTES.n_vocab)
@@ -211,7 +211,7 @@ def test_lm_eval_vllm_backend_scores_the_demo_task_as_eval_downstream(exports, t
     gc.collect()
     scores = results["results"]["deeploop_demo"]
     assert (scores["acc,none"], scores["acc_norm,none"]) == (expected["acc,none"], expected["acc_norm,none"])
-    model, _ = GPT.from_checkpoint(os.path.join(out_dir, "ckpt.pt"))
+    model, _ = load_checkpoint(os.path.join(out_dir, "ckpt.pt"))
     samples = results["samples"]["deeploop_demo"]
     assert len(samples) == 10
     for sample in samples:
