@@ -419,7 +419,8 @@ class GPT(nn.Module):
                     cache.past = 0
                 ids = idx[:, -self.config.block_size:]
             logits = next_logits(ids, caches) if next_logits else self(ids, None, n_loop, caches, last_only=True)[0]
-            logits = logits[:, -1, :vocab_size_limit].float() / temperature  # the softmax in float32
+            logits = logits[:, -1, :vocab_size_limit].float()  # the softmax in float32
+            logits = (logits - logits.amax(-1, keepdim=True)) / temperature  # max at 0: no temperature overflows
             if top_k is not None:  # sample among the top_k only: far cheaper than masking a large vocabulary
                 logits, candidates = torch.topk(logits, min(top_k, logits.size(-1)))
                 idx_next = candidates.gather(-1, torch.multinomial(F.softmax(logits, dim=-1), num_samples=1))
