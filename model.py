@@ -119,8 +119,9 @@ class GPTConfig:
             if getattr(self, key) not in choices:
                 raise ValueError(f"unknown {'residual scheme' if key == 'residual' else key} {getattr(self, key)!r}; "
                                  f"choose one of {', '.join(choices)}")
-        if self.n_loop < 1 or self.n_layer < 1:
-            raise ValueError(f"n_layer and n_loop must be >= 1, got n_layer={self.n_layer} n_loop={self.n_loop}")
+        sizes = {k: getattr(self, k) for k in ("block_size", "vocab_size", "n_layer", "n_loop", "n_head", "n_embd")}
+        if min(sizes.values()) < 1:
+            raise ValueError(f"{', '.join(f'{k}={v}' for k, v in sizes.items() if v < 1)}: sizes must be >= 1")
         check_loops(self.n_loop)
         if not 0 <= self.coefficient_loops <= MAX_LOOPS:
             raise ValueError(f"coefficient_loops must be from 0 (= n_loop) to {MAX_LOOPS} (model.MAX_LOOPS), got "
