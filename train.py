@@ -113,8 +113,15 @@ if init_from not in ("scratch", "resume"):
     die(f"init_from must be 'scratch' or 'resume', got {init_from!r}")
 if dtype not in ("auto", "float32", "bfloat16", "float16"):
     die(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
-if min(eval_interval, eval_iters, log_interval, gradient_accumulation_steps, batch_size) < 1:
-    die("eval_interval, eval_iters, log_interval, gradient_accumulation_steps and batch_size must all be >= 1")
+if small := [f"{k}={config[k]}" for k in ("eval_interval", "eval_iters", "log_interval", "gradient_accumulation_steps",
+                                          "batch_size", "block_size", "n_layer", "n_head", "n_embd") if config[k] < 1]:
+    die(f"{', '.join(small)}: counts and sizes must be >= 1")
+# values that the optimizer and torch refuse only once out_dir and its lock exist
+limits = dict(learning_rate=learning_rate >= 0, min_lr=min_lr >= 0, weight_decay=weight_decay >= 0,
+              beta1=0 <= beta1 < 1, beta2=0 <= beta2 < 1, dropout=0 <= dropout < 1)
+if bad := [f"{k}={config[k]}" for k, ok in limits.items() if not ok]:
+    die(f"{', '.join(bad)}: learning_rate, min_lr and weight_decay must be >= 0, beta1, beta2 and dropout from 0 to "
+        f"below 1")
 if dataset not in TASKS and (chains := [f"{k}={config[k]!r}" for k, v in chain_defaults.items() if config[k] != v]):
     die(f"chain settings only apply to dataset=chains, not {dataset} ({', '.join(chains)}); leave them at their "
         f"defaults or use --dataset=chains")
