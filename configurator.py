@@ -10,7 +10,7 @@ top level, in lower case: not the names it imports (train.py's EVAL_SEED, sample
 constants. Values are read with ast.literal_eval, never eval; a value that
 is no Python literal is taken as a bare string (`--dataset=builtin`). A value has its default's type (an int may stand
 for a float; None only where the default is None). Anything wrong stops the script with one line
-on stderr and exit code 2. A script that must tell a setting given from its default (sweep.py, where a given one
+on stderr and exit code 2, also a config file that does not run (the line names the file and its line). A script that must tell a setting given from its default (sweep.py, where a given one
 overrides a mode's own budget) passes a set as `given`: it receives the keys that the files and overrides set.
 """
 
@@ -18,8 +18,10 @@ import ast
 import importlib
 import os
 import sys
+import traceback
 
 SIMPLE_TYPES = (int, float, bool, str, type(None))
+CONFIG_FILE = "a config file holds python lines of settings, like batch_size = 4"
 
 
 def die(message):
@@ -80,7 +82,14 @@ def configure(namespace, argv, given=None, extra=None):
                 die(f"config file not found: {arg} (config files live in config/, e.g. config/smoke_cpu.py)")
             settings = {}
             with open(arg) as f:
-                exec(compile(f.read(), arg, "exec"), settings)
+                source = f.read()
+            try:
+                exec(compile(source, arg, "exec"), settings)
+            except SyntaxError as e:
+                die(f"{arg}, line {e.lineno}: {e.msg}; {CONFIG_FILE}")
+            except Exception as e:  # NameError, ImportError, ...: the config file's line, not a traceback
+                lines = [frame.lineno for frame in traceback.extract_tb(e.__traceback__) if frame.filename == arg]
+                die(f"{arg}{f', line {lines[-1]}' if lines else ''}: {type(e).__name__}: {e}; {CONFIG_FILE}")
             for key, value in settings.items():
                 if not key.startswith("_") and isinstance(value, SIMPLE_TYPES):
                     config[key] = namespace[key] = _checked(key, value, config, arg)

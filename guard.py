@@ -9,7 +9,8 @@ training itself. Its guarantees (docs/preemption.md says how to use them on a cl
   at once.
 - One run per out_dir: a run holds out_dir/train.lock (an flock) while it lives, and a second one stops at once. The
   OS drops the lock however its holder dies, so a dead run blocks nothing. A run from scratch never overwrites an
-  earlier run's files (start_over moves them aside), and a start that cannot work makes no out_dir and no lock.
+  earlier run's files, its evaluations included (start_over moves them aside), and a start that cannot work makes no
+  out_dir and no lock.
 - ckpt.pt is only ever replaced whole: written under another name, synced to disk, then renamed over the old one. A
   process killed at any moment leaves the previous checkpoint or the new one; a failed write (a full disk) removes the
   temporary file and keeps the previous checkpoint.
@@ -25,6 +26,7 @@ A run that its input or its machine keeps from going on ends with one line on st
 
 import atexit
 import fcntl
+import glob
 import json
 import math
 import os
@@ -154,7 +156,29 @@ class Stop:
         os._exit(128 + signum)  # the shell's code for a process ended by this signal
 
 
-RUN_FILES = ("ckpt.pt", "metrics.jsonl")  # what a run keeps in its out_dir, beside the lock file
+# what a run keeps in its out_dir, beside the lock file: also lab.eval_downstream's results of its checkpoint, which
+# would pass for the next run's if they stayed
+RUN_FILES = ("ckpt.pt", "metrics.jsonl", "eval_*.json")
+
+
+def run_files(out_dir):
+    """The names of the files of RUN_FILES in out_dir."""
+    return [os.path.basename(path) for pattern in RUN_FILES
+            for path in sorted(glob.glob(os.path.join(glob.escape(out_dir), pattern)))]
+
+
+def check_settings(config):
+    """Stop with one line, before anything is written, on train.py settings that torch would refuse only later, once
+    out_dir and its lock exist: counts and sizes below 1, a negative rate, betas or dropout outside [0, 1)."""
+    if small := [f"{k}={config[k]}" for k in ("eval_interval", "eval_iters", "log_interval", "gradient_accumulation_steps",
+                                              "batch_size", "block_size", "n_layer", "n_head", "n_embd") if config[k] < 1]:
+        die(f"{', '.join(small)}: counts and sizes must be >= 1")
+    limits = dict(learning_rate=config["learning_rate"] >= 0, min_lr=config["min_lr"] >= 0,
+                  weight_decay=config["weight_decay"] >= 0, beta1=0 <= config["beta1"] < 1,
+                  beta2=0 <= config["beta2"] < 1, dropout=0 <= config["dropout"] < 1)
+    if bad := [f"{k}={config[k]}" for k, ok in limits.items() if not ok]:
+        die(f"{', '.join(bad)}: learning_rate, min_lr and weight_decay must be >= 0, beta1, beta2 and dropout from 0 to "
+            f"below 1")
 
 
 def lock_out_dir(out_dir, init_from="scratch", start_over=False):
@@ -173,8 +197,7 @@ def lock_out_dir(out_dir, init_from="scratch", start_over=False):
         die("start_over applies to init_from=scratch only: drop one of them" if start_over else
             f"no checkpoint at {ckpt_path} to resume: leave out --init_from=resume to start a run there, or point "
             f"--out_dir at the run's folder")
-    earlier = [name for name in RUN_FILES if os.path.exists(os.path.join(out_dir, name))] if init_from == "scratch" \
-        else []
+    earlier = run_files(out_dir) if init_from == "scratch" else []
     overwrite = (f"{out_dir} holds an earlier run ({', '.join(earlier)}), which a run from scratch would overwrite: "
                  f"continue it with --init_from=resume, choose another --out_dir, or set --start_over=True to move its "
                  f"files aside (into {out_dir}/previous-N) and start afresh") if earlier and not start_over else None
@@ -210,7 +233,8 @@ def lock_out_dir(out_dir, init_from="scratch", start_over=False):
             os.mkdir(aside)
             for name in earlier:
                 os.rename(os.path.join(out_dir, name), os.path.join(aside, name))
-            print(f"start_over: moved {out_dir}'s {' and '.join(earlier)} into {aside}")
+            print(f"start_over: moved {out_dir}'s {', '.join(earlier[:-1])}{' and ' * (len(earlier) > 1)}"
+                  f"{earlier[-1]} into {aside}")
     except OSError as e:
         die(f"cannot write in {out_dir} ({e.strerror}): choose an --out_dir that this process may create and write")
     lock_file.truncate(0)

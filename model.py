@@ -110,8 +110,9 @@ class GPTConfig:
             if getattr(self, key) not in choices:
                 raise ValueError(f"unknown {'residual scheme' if key == 'residual' else key} {getattr(self, key)!r}; "
                                  f"choose one of {', '.join(choices)}")
-        if self.n_loop < 1 or self.n_layer < 1:
-            raise ValueError(f"n_layer and n_loop must be >= 1, got n_layer={self.n_layer} n_loop={self.n_loop}")
+        sizes = {k: getattr(self, k) for k in ("block_size", "vocab_size", "n_layer", "n_loop", "n_head", "n_embd")}
+        if min(sizes.values()) < 1:
+            raise ValueError(f"{', '.join(f'{k}={v}' for k, v in sizes.items() if v < 1)}: sizes must be >= 1")
         check_loops(self.n_loop)
         if not 0 <= self.coefficient_loops <= MAX_LOOPS:
             raise ValueError(f"coefficient_loops must be from 0 (= n_loop) to {MAX_LOOPS} (model.MAX_LOOPS), got "
@@ -409,7 +410,8 @@ class GPT(nn.Module):
                     cache.past = 0
                 ids = idx[:, -self.config.block_size:]
             logits = next_logits(ids, caches) if next_logits else self(ids, None, n_loop, caches, last_only=True)[0]
-            logits = logits[:, -1, :vocab_size_limit].float() / temperature  # the softmax in float32
+            logits = logits[:, -1, :vocab_size_limit].float()  # the softmax in float32
+            logits = (logits - logits.amax(-1, keepdim=True)) / temperature  # max at 0: no temperature overflows
             if top_k is not None:  # sample among the top_k only: far cheaper than masking a large vocabulary
                 logits, candidates = torch.topk(logits, min(top_k, logits.size(-1)))
                 idx_next = candidates.gather(-1, torch.multinomial(F.softmax(logits, dim=-1), num_samples=1))

@@ -123,7 +123,7 @@ def expand_files(patterns):
         elif os.path.isfile(pattern):
             matches = [pattern]
         else:
-            die(f"source file not found: {pattern} (a source is builtin, openwebtext, fineweb_edu, or "
+            die(f"source file not found: {pattern} (a source is builtin, stdlib, openwebtext, fineweb_edu, or "
                 f".txt/.jsonl/.parquet files and globs)")
         for path in matches:
             if os.path.splitext(path)[1].lower() not in READERS:

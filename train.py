@@ -102,8 +102,7 @@ if init_from not in ("scratch", "resume"):
     die(f"init_from must be 'scratch' or 'resume', got {init_from!r}")
 if dtype not in ("auto", "float32", "bfloat16", "float16"):
     die(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
-if min(eval_interval, eval_iters, log_interval, gradient_accumulation_steps, batch_size) < 1:
-    die("eval_interval, eval_iters, log_interval, gradient_accumulation_steps and batch_size must all be >= 1")
+guard.check_settings(config)  # counts, sizes and rates that torch refuses only once out_dir and its lock exist
 if not 0 <= seed < 2 ** 31:  # numpy takes no negative seeds, and seed + rank seeds its 32-bit generator
     die(f"seed must be from 0 to 2**31 - 1, got {seed}")
 try:

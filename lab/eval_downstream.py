@@ -10,8 +10,9 @@ teaches it to run a model of this project (CheckpointLM below).
 
 Prints the harness's table on stdout and writes the harness's results (without per-sample logs) to
 out_dir/eval_<tasks>_<k>shot_loop<n_loop>_iter<checkpoint step>[_limit<N>].json: runs with other settings or
-another checkpoint step never overwrite each other; a rerun with the same ones replaces its file. Harness logs and
-progress go to stderr.
+another checkpoint step never overwrite each other, and no evaluation overwrites an earlier one's result: one whose
+file exists stops with one line before it runs (move the file aside to evaluate again). train.py's start_over moves
+these files aside with the run's checkpoint (guard.RUN_FILES). Harness logs and progress go to stderr.
 
 Tasks. The default list is the paper's downstream set as far as the paper names it (ARC-Challenge, HellaSwag, PIQA,
 Winogrande, scored by `acc` at 0 and 1 shot), filled up to eight with the harness's usual small-model tasks:
@@ -254,6 +255,12 @@ if __name__ == "__main__":
         enc = get_tokenizer(checkpoint["tokenizer"])
     except (ValueError, FileNotFoundError) as e:
         die(str(e))
+    path = results_path(out_dir, task_names, num_fewshot, n_loop or model.config.n_loop, checkpoint.get("iter_num"),
+                        limit)
+    earlier = (f"{path} holds this evaluation of {out_dir}/ckpt.pt (step {checkpoint.get('iter_num')}) already: "
+               f"move it aside or delete it to evaluate again")
+    if os.path.exists(path):
+        die(earlier)
 
     # Offline the harness's data loaders would retry the network; with the hub's offline switches (read when the
     # libraries are imported, hence before importing the harness) they use the cache at once.
@@ -299,8 +306,13 @@ if __name__ == "__main__":
     print(make_table(results))
     if results.get("groups"):
         print(make_table(results, "groups"))
-    path = results_path(out_dir, task_names, num_fewshot, loops, checkpoint.get("iter_num"), limit)
-    with open(path + ".tmp", "w") as f:  # write aside, then rename: an interrupted write never looks finished
+    tmp_path = f"{path}.{os.getpid()}.tmp"
+    with open(tmp_path, "w") as f:  # written aside, then linked: an interrupted write never looks finished
         json.dump(results, f, indent=2, default=handle_non_serializable, ensure_ascii=False)
-    os.replace(path + ".tmp", path)
+    try:
+        os.link(tmp_path, path)  # fails where the file exists: an evaluation that ran meanwhile keeps its result
+    except FileExistsError:
+        die(earlier)
+    finally:
+        os.remove(tmp_path)
     print(f"results written to {path}", file=sys.stderr)

@@ -32,6 +32,7 @@ transformers loads it and its logits are compared with the checkpoint's (the lar
 another hub). The repository is created first, so that a missing token stops the run before anything is written.
 """
 
+import errno
 import json
 import os
 import re
@@ -87,6 +88,11 @@ def load(out_dir, to, gpt2=False, n_loop=0):
                          f"one), got {n_loop}")
     if os.path.exists(to) and not (os.path.isdir(to) and not os.listdir(to)):
         raise ValueError(f"{to} exists and is not an empty folder: choose another --to, or delete it first")
+    above = os.path.dirname(os.path.abspath(to))
+    while not os.path.exists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise ValueError(f"--to={to} lies under {above}, which is a file, not a folder: choose another --to")
     path = checkpoint_path(out_dir)
     model, checkpoint = load_checkpoint(path)
     require_text(checkpoint, out_dir)
@@ -462,7 +468,8 @@ if __name__ == "__main__":
     except (ValueError, RuntimeError) as e:
         die(str(e))
     except OSError as e:  # a full disk, a folder that may not be written: nothing of the export is left
-        die(f"cannot write {to} ({e}): free some space or choose another --to")
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        die(f"cannot write {to} ({e.strerror or e}): {'free some space or ' if full else ''}choose another --to")
     cfg = model.config
     kind = f"GPT2LMHeadModel, {cfg.depth(loops)} layers" if gpt2 else "looped, trust_remote_code=True"
     print(f"{to}: {path} (step {checkpoint['iter_num']}, {cfg.n_layer} blocks x {cfg.n_loop} loops trained) as "

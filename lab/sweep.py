@@ -55,20 +55,17 @@ import json
 import math
 import os
 import runpy
-import subprocess
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import numpy as np
 
-from runtime import choose_dtype
 from configurator import configure, die
 from lab import require
 from dataset import load_meta, read_shard
 from model import OWN_EXPONENT, RESIDUALS
-from guard import load_checkpoint
-from lab.plot import read_metrics
+from lab.sweep_runs import Runs, mean_over_k, run_name, split_scheme
 from prepare_data import prepare_builtin_if_missing
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -192,12 +189,6 @@ def number_list(name, kind):
             f"got {text!r}")
 
 
-def split_scheme(scheme):
-    """'deeploop+add+curriculum' -> ('deeploop', ['add', 'curriculum']): a residual scheme, and its variants."""
-    residual, *variants = scheme.split("+")
-    return residual, variants
-
-
 def variant_settings(scheme):
     """The train.py settings of a scheme's variants, the later ones winning."""
     return {k: v for variant in split_scheme(scheme)[1] for k, v in VARIANTS[variant].items()}
@@ -258,98 +249,6 @@ def escaped(run):
     return score(run) > shortcut[hardest] if on_chains else score(run) < floor - escape_margin
 
 
-def run_name(scheme, n_loop, exponent, lr, seed, steps=None):
-    return f"{scheme}_R{n_loop}_p{exponent:g}_lr{lr:g}_seed{seed}" + (f"_it{steps}" if steps else "")
-
-
-def train(scheme, n_loop, exponent, lr, seed, steps=None):
-    """One train.py run (of steps steps, default max_iters) -> its result dict (also saved as result.json in the
-    run's folder)."""
-    name = run_name(scheme, n_loop, exponent, lr, seed, steps)
-    steps = steps or max_iters
-    run_dir = os.path.join(out_dir, "runs", name)
-    residual = split_scheme(scheme)[0]
-    result_path = os.path.join(run_dir, "result.json")
-    if os.path.isfile(result_path):
-        with open(result_path) as f:
-            return json.load(f)
-    if on_chains:
-        # the untied control: the same unrolled depth as R loops over n_layer blocks, every block its own
-        untied = residual == "untied"
-        args = dict(mode_budget, out_dir=run_dir, residual="preln" if untied else residual,
-                    residual_exponent=exponent, n_layer=n_layer * n_loop if untied else n_layer,
-                    n_loop=1 if untied else n_loop, learning_rate=lr, min_lr=lr / 10, seed=seed, device="cpu",
-                    dtype=run_dtype, compile=False, start_over=True, **variant_settings(scheme))
-        args.update(lr_decay_iters=args["max_iters"], eval_interval=args["max_iters"])
-        cmd = [sys.executable, "-m", "lab.train", DEPTH_CONFIG] + [f"--{k}={v}" for k, v in args.items()]
-    else:
-        args = dict(out_dir=run_dir, dataset=dataset, residual=residual, residual_exponent=exponent, n_layer=n_layer,
-                    n_loop=n_loop, n_head=n_head, n_embd=n_embd, block_size=block_size, batch_size=batch_size,
-                    gradient_accumulation_steps=1, dropout=0.0, learning_rate=lr, min_lr=lr / 10,
-                    warmup_iters=warmup_iters, max_iters=steps, lr_decay_iters=steps,
-                    eval_interval=steps if steps < 10_000 else steps // 10,  # a long run's val curve too
-                    eval_iters=eval_iters, log_interval=max(1, steps // 25), seed=seed, device="cpu", dtype=run_dtype,
-                    compile=False, checkpoint_minutes=checkpoint_minutes)
-        args.update(variant_settings(scheme))  # a variant may set what every run sets (warmup_iters)
-        # a run stopped part-way (a session's end, SIGTERM) resumes from its checkpoint, bit for bit
-        resumed = os.path.isfile(os.path.join(run_dir, "ckpt.pt"))
-        args.update(dict(init_from="resume") if resumed else dict(start_over=True))
-        cmd = [sys.executable, "-m", "lab.train"] + [f"--{k}={v}" for k, v in args.items()]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0 and "diverged" not in proc.stderr:
-        die(f"run {name} failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}; command: "
-            f"{' '.join(cmd)}")
-    records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-    evals = [r for r in records if r["type"] == "eval"]
-    final = evals[-1] if proc.returncode == 0 else None  # a diverged run (non-finite loss) has no final eval
-    kappa = final["loop"]["kappa"] if final else None
-    start = [r for r in records if r["type"] == "start"]
-    result = dict(name=name, scheme=scheme, n_loop=n_loop, exponent=exponent, lr=lr, seed=seed, dtype=run_dtype,
-                  steps=steps, seconds=time.time() - t0, val_loss=final["val_loss"] if final else None,
-                  # every machine a run trained on (a resumed run may have moved), and the code it ran
-                  machines=list({json.dumps(r.get("machine")): r.get("machine") for r in start}.values()),
-                  commit=code_commit,
-                  val_curve=[(r["iter"], r["val_loss"]) for r in evals],
-                  kappa=sum(kappa) / len(kappa) if kappa else None,  # mean over the physical blocks
-                  curve=[(r["iter"], r["loss"]) for r in records if r["type"] == "train"])
-    if on_chains:
-        result.update(depth_result(run_dir, records, final))
-    with open(result_path, "w") as f:
-        json.dump(result, f)
-    status = "diverged" if final is None else f"val {result['val_loss']:.4f} kappa {result['kappa']:.2f}"
-    if on_chains and final:
-        status = f"accuracy {mean_over_k(result['accuracy']):.3f} kappa {result['kappa']:.2f}"
-    print(f"{name:40s} {status:>24s}  ({result['seconds']:.0f} s)", flush=True)
-    return result
-
-
-def depth_result(run_dir, records, final):
-    """A depth-task run's figures: val accuracy by k at the end, the best shortcut by k, and (depth mode) the
-    accuracy by k at other loop counts (test-time depth: each of the sweep's loop counts, and twice the largest), in
-    the run's precision as train.py evaluates (tasks.run_precision): at its own loop count, the run's accuracy."""
-    import torch
-    from dataset import EVAL_SEED
-    from lab.tasks import best_shortcut, evaluate, make_task, run_precision
-    start = [r for r in records if r["type"] == "start"][-1]
-    result = dict(accuracy=final["accuracy"] if final else None, shortcut=best_shortcut(start["shortcuts"]),
-                  test_time={})
-    if final and mode == "depth" and start["config"]["n_layer"] == n_layer:  # not the untied control
-        torch.set_num_threads(1)
-        model, checkpoint = load_checkpoint(os.path.join(run_dir, "ckpt.pt"))
-        task = make_task(checkpoint["config"], "val", EVAL_SEED)
-        _, autocast = run_precision(checkpoint, "cpu")
-        for loops in sorted(set(loop_list) | {2 * max(loop_list)}):
-            result["test_time"][str(loops)] = evaluate(model, task, checkpoint["config"]["eval_iters"],
-                                                       checkpoint["config"]["batch_size"], loops, autocast)
-    return result
-
-
-def mean_over_k(accuracy):
-    return sum(accuracy.values()) / len(accuracy)
-
-
 def mean_std(values):
     if not values:
         return None
@@ -365,38 +264,6 @@ def scheme_label(scheme, exponent):
     return scheme if not exponent else f"{scheme} p={exponent:g}"
 
 
-def sweep_dtype():
-    """(the precision of every run, why). Runs that each measured could pick differently on a noisy machine, so
-    the sweep decides once: the precision of the runs it already has (float32 before sweeps recorded it), else as
-    set, else measured here at the runs' shapes."""
-    runs_dir, done = os.path.join(out_dir, "runs"), set()
-    for name in os.listdir(runs_dir) if os.path.isdir(runs_dir) else []:
-        if os.path.isfile(os.path.join(runs_dir, name, "result.json")):
-            with open(os.path.join(runs_dir, name, "result.json")) as f:
-                done.add(json.load(f).get("dtype", "float32"))
-    if len(done) > 1 or done and dtype not in ("auto", *done):
-        die(f"{out_dir} holds runs in {', '.join(sorted(done))}; a sweep keeps one precision: leave --dtype at auto "
-            f"or choose another --out_dir")
-    if done:
-        return done.pop(), f"the precision of the runs in {out_dir}"
-    try:
-        return choose_dtype("cpu", dtype, n_embd, batch_size * block_size)
-    except ValueError as e:
-        die(str(e))
-
-
-def git_commit():
-    """The commit of the code the runs train with, '+dirty' when tracked files differ from it; None outside git."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+dirty" if dirty else "")
-
-
-code_commit = git_commit()
 t_start = time.time()
 grid = [(s, r, p, lr, seed) for s in scheme_list for r in loop_list for p in exponent_list
         for lr in own_rates.get(s, lr_list)
@@ -417,7 +284,10 @@ if not on_chains:
           f"its final val loss is below {floor - escape_margin:.4f}")
 if mode == "budget" and "dtype" not in given:
     dtype = "float32"  # auto picks by the machine's bfloat16 speed: a study compared across CPUs trains in one precision
-run_dtype, dtype_reason = sweep_dtype()
+runner = Runs(out_dir, mode, on_chains, dataset, mode_budget, DEPTH_CONFIG, variant_settings, loop_list,
+              checkpoint_minutes, **{k: globals()[k] for k in MODEL_AND_BUDGET})
+train = runner.train
+run_dtype, dtype_reason = runner.sweep_dtype(dtype)
 print(f"dtype {run_dtype} for every run: {dtype_reason}")
 if mode == "budget":
     from lab.sweep_budget import rate_at, rate_walk, report

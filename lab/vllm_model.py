@@ -56,8 +56,21 @@ def servable(folder, hf_overrides=None):
     if architectures != [ARCHITECTURE]:
         raise ValueError(f"{folder} is a {architectures} folder, not the looped export ({ARCHITECTURE}): a plain "
                          f"GPT-2 export (--gpt2=True) is served by `vllm serve {folder}` itself")
-    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
+    weights = os.path.join(folder, "model.safetensors")
+    if not os.path.isfile(weights):
         raise ValueError(f"{folder} has no model.safetensors: export the folder again")
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(weights, "pt"):  # reads the header, which names every tensor's place in the file
+            pass
+    except (SafetensorError, OSError) as e:  # cut short by a copy or a write that stopped
+        raise ValueError(f"{weights} is not a whole safetensors file ({e}): export the folder again") from None
+    settings = {field.name: config.get(field.name, field.default) for field in fields(GPTConfig)}
+    for key, value in (hf_overrides or {}).items():  # a wrong type fails inside vLLM, or passes the range checks
+        like = settings.get(key)
+        if key in settings and type(value) is not type(like) and not (type(like) is float and type(value) is int):
+            raise ValueError(f"--hf-overrides: {key} must be {type(like).__name__} (like {like!r}), got "
+                             f"{type(value).__name__} {value!r}")
     try:
         cfg = gpt_config({**config, **(hf_overrides or {})})
     except (ValueError, TypeError) as e:

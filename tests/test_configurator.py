@@ -105,3 +105,18 @@ def test_only_the_lower_case_names_a_script_assigns_are_settings(tmp_path, capsy
         assert e.value.code == 2
         assert capsys.readouterr().err == \
             f"error: unknown config key '{key}' in --{key}; known keys: n_loop, out_dir, seed\n"
+
+
+@pytest.mark.parametrize("text,message", [
+    ("batch_size = 4\nn_loop = (2\n", "line 2: '(' was never closed"),
+    ("batch_size = 4\n\nn_loop = two\n", "line 3: NameError: name 'two' is not defined"),
+    ("import nowhere_to_be_found\n", "line 1: ModuleNotFoundError: No module named 'nowhere_to_be_found'"),
+])
+def test_a_config_file_that_does_not_run_is_one_line_naming_its_line(tmp_path, capsys, text, message):
+    cfg = tmp_path / "bad.py"
+    cfg.write_text(text)
+    with pytest.raises(SystemExit) as e:
+        configure(defaults(), [str(cfg)])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"error: {cfg}, {message}; a config file holds python lines of settings, like " \
+                                      f"batch_size = 4\n"

@@ -242,3 +242,27 @@ def test_a_failed_first_checkpoint_write_says_to_start_over_not_to_resume():
         "writing out/ckpt.pt failed at step 0: No space left on device; this run wrote no checkpoint yet; make room "
         "(or fix the folder) and run again with --start_over=True (a run from scratch there moves this one's files "
         "aside)")
+
+
+def test_start_over_moves_the_runs_evaluations_with_it_and_an_evaluation_alone_is_an_earlier_run(tmp_path, capsys):
+    """lab.eval_downstream's results stayed in out_dir, where they passed for the new run's and the same evaluation
+    of the new run then overwrote them."""
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    (out_dir / "ckpt.pt").write_bytes(b"weights")
+    (out_dir / "metrics.jsonl").write_text("first\n")
+    for name in ("eval_piqa_0shot_loop2_iter300.json", "eval_mc_1shot_loop4_iter300_limit2.json"):
+        (out_dir / name).write_text(name)
+    (out_dir / "notes.txt").write_text("mine")  # not a run's file: it stays
+    guard.lock_out_dir(str(out_dir), start_over=True).close()
+    assert capsys.readouterr().out == (f"start_over: moved {out_dir}'s ckpt.pt, metrics.jsonl, "
+                                       f"eval_mc_1shot_loop4_iter300_limit2.json and eval_piqa_0shot_loop2_iter300.json "
+                                       f"into {out_dir / 'previous-1'}\n")
+    assert sorted(os.listdir(out_dir / "previous-1")) == ["ckpt.pt", "eval_mc_1shot_loop4_iter300_limit2.json",
+                                                          "eval_piqa_0shot_loop2_iter300.json", "metrics.jsonl"]
+    assert (out_dir / "previous-1" / "eval_piqa_0shot_loop2_iter300.json").read_text() == \
+        "eval_piqa_0shot_loop2_iter300.json"
+    assert sorted(os.listdir(out_dir)) == ["notes.txt", "previous-1", "train.lock"]
+    (out_dir / "eval_piqa_0shot_loop2_iter300.json").write_text("second")
+    assert one_line_exit(capsys, guard.lock_out_dir, str(out_dir)).startswith(
+        f"{out_dir} holds an earlier run (eval_piqa_0shot_loop2_iter300.json), which a run from scratch would overwrite")

@@ -372,6 +372,8 @@ def test_model_module_imports_nothing_of_the_project_and_never_exits():
     (dict(position_encoding="alibi"), "unknown position_encoding 'alibi'; choose one of learned, rope"),
     (dict(position_encoding="rope", n_embd=30, n_head=2), "rope rotates pairs of channels: the head size "
                                                           "n_embd/n_head=15 must be even"),
+    (dict(block_size=0), "block_size=0: sizes must be >= 1"),  # accepted, it trained on to a nan loss
+    (dict(vocab_size=0, n_embd=0), "vocab_size=0, n_embd=0: sizes must be >= 1"),
 ])
 def test_bad_backbone_settings_are_rejected(kw, message):
     with pytest.raises(ValueError, match=f"^{message}$"):

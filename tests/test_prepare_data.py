@@ -521,7 +521,7 @@ def test_cli(tmp_path, corpus):
     r = run(str(tmp_path / "missing.txt"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [f"error: source file not found: {tmp_path / 'missing.txt'} "
-                                              "(a source is builtin, openwebtext, fineweb_edu, or "
+                                              "(a source is builtin, stdlib, openwebtext, fineweb_edu, or "
                                               ".txt/.jsonl/.parquet files and globs)"]
     r = run(*sources, "--name=mydata", "--tokenizer=bytes", "--val_fraction=0.25", "--shard_size=500")
     assert r.returncode == 0, r.stderr

@@ -215,3 +215,10 @@ if __name__ == "__main__":
         json.dump(runs, f, indent=1)
     for run in runs:
         print(f"{run['seconds']:6.1f} s  exit {run['returncode']}  {shlex.join(run['args'])}")
+
+
+def test_the_corpora_it_names_include_the_budget_studys_and_it_stays_short():
+    with open(os.path.join(ROOT, "README.md"), "rb") as f:
+        text = f.read()
+    assert b"`python prepare_data.py stdlib --tokenizer=bytes`" in text
+    assert len(text) < 12 * 1024

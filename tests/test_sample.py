@@ -127,6 +127,13 @@ def test_fixed_seed_gives_identical_samples_streamed_as_decoded(bytes_run):
     assert streamed == expected
 
 
+@pytest.mark.parametrize("top_k", [0, 200])
+def test_a_tiny_temperature_samples_the_greedy_tokens(bytes_run, top_k):
+    """logits / 1e-40 overflowed to inf, whose softmax is nan: torch.multinomial raised."""
+    args = ("--start=The ", "--num_samples=1", "--max_new_tokens=40")
+    assert sample(bytes_run, *args, "--temperature=1e-40", f"--top_k={top_k}") == sample(bytes_run, *args, "--top_k=1")
+
+
 def test_a_lone_surrogate_in_the_prompt_becomes_the_replacement_character(bytes_run):
     """It has no UTF-8 form (no bytes to tokenize or print): U+FFFD instead, as GPT-2's tokenizer makes it."""
     assert sample(bytes_run, '--start="a\\ud800b"', "--num_samples=1", "--max_new_tokens=1").startswith("a\ufffdb")

@@ -434,6 +434,16 @@ def test_missing_dataset_names_the_command_that_prepares_it(tmp_path):
     (["--device=gpu"], "--device=gpu is not usable here (the devices here: cpu"),
     (["--EVAL_SEED=5"], "unknown config key 'EVAL_SEED' in --EVAL_SEED; known keys: batch_size, "),
     (["--out_dir="], "--out_dir is empty: name the run's folder, e.g. --out_dir=out-smoke"),
+    # ValueErrors of AdamW and of nn.Dropout, once out_dir and train.lock were made
+    *[([arg], f"{arg[2:]}: learning_rate, min_lr and weight_decay must be >= 0, beta1, beta2 and dropout from 0 to "
+              f"below 1") for arg in ("--learning_rate=-1.0", "--beta1=5.0", "--dropout=2.0", "--weight_decay=-0.1")],
+    (["--beta2=1.0", "--min_lr=-1e-05"], "min_lr=-1e-05, beta2=1.0: learning_rate, min_lr and weight_decay must be"),
+    # a block_size of 0 trained on to a nan loss at step 0
+    (["--block_size=0"], "block_size=0: counts and sizes must be >= 1"),
+    (["--n_embd=0", "--n_head=0"], "n_head=0, n_embd=0: counts and sizes must be >= 1"),
+    (["--n_embd=33"], "n_embd=33 is not divisible by n_head=2"),
+    (["--position_encoding=rope", "--n_head=32"], "rope rotates pairs of channels: the head size n_embd/n_head=1 must "
+                                                  "be even"),
 ])
 def test_a_start_that_fails_is_one_line_and_leaves_no_out_dir_or_lock(overrides, message, workdir, tmp_path):
     """Each stops before anything is made: no out_dir (where it is missing), no train.lock in one that exists. A

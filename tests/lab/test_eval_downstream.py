@@ -232,6 +232,24 @@ def test_other_settings_write_other_files(trained, tmp_path, monkeypatch, capsys
     assert results["eval_mc_1shot_loop2_iter300_limit2.json"]["n-shot"]["mc"] == 1
 
 
+def test_an_evaluation_never_overwrites_an_earlier_ones_result(trained, tmp_path, monkeypatch, capsys):
+    """The same evaluation of the same checkpoint step replaced the file: after train.py's start_over (which now moves
+    it aside) the first run's result existed nowhere."""
+    out_dir = save_checkpoint(trained[1], tmp_path / "run")
+    monkeypatch.chdir(ROOT)
+    argv = [f"--out_dir={out_dir}", f"--include_path={DEMO}", "--tasks=deeploop_demo"]
+    code, _, err = run_script(argv, monkeypatch, capsys)
+    assert code == 0, err
+    path = os.path.join(out_dir, "eval_deeploop_demo_0shot_loop2_iter300.json")
+    with open(path, "a") as f:
+        f.write("\n")  # told apart from what a second evaluation would write
+    first = open(path).read()
+    line = one_line_error(*run_script(argv, monkeypatch, capsys))
+    assert line == (f"error: {path} holds this evaluation of {out_dir}/ckpt.pt (step 300) already: move it aside or "
+                    f"delete it to evaluate again")
+    assert open(path).read() == first and sorted(os.listdir(out_dir)) == ["ckpt.pt", os.path.basename(path)]
+
+
 def one_line_error(code, out, err):
     lines = err.strip().splitlines()
     assert code == 2 and out == "" and len(lines) == 1 and lines[0].startswith("error: "), err

@@ -359,6 +359,9 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, trained):
         (f"--out_dir={out_dir}", f"--to={tmp_path / 'full'}"): f"{tmp_path / 'full'} exists and is not an empty "
                                                                f"folder: choose another --to, or delete it first",
         (f"--out_dir={out_dir}", f"--to={tmp_path / 'file'}"): "exists and is not an empty folder",
+        (f"--out_dir={out_dir}", f"--to={tmp_path / 'file' / 'sub' / 'hf'}"): (
+            f"--to={tmp_path / 'file' / 'sub' / 'hf'} lies under {tmp_path / 'file'}, which is a file, not a folder: "
+            f"choose another --to"),
         (f"--out_dir={out_dir}", "--to="): "--to is empty",
         (f"--out_dir={out_dir}", "--n_loop=2000"): "--n_loop must be a loop count from 1 to 1024",
         (f"--out_dir={out_dir}", "--push_to_hub=nobody"): "--push_to_hub must name a model repository as owner/name",

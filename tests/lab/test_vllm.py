@@ -308,6 +308,30 @@ def test_bad_input_is_one_line_before_vllm_starts(exports, tmp_path):
         assert (r.returncode, r.stdout, r.stderr) == (2, "", line + "\n"), args
 
 
+def test_a_truncated_export_or_a_loop_count_of_another_type_is_refused_before_vllm_starts(tmp_path):
+    """A model.safetensors cut short passed to vLLM's engine (four tracebacks); an n_loop of 2.5 passed the range
+    check into a TypeError inside vLLM, and "two" gave "'<' not supported between instances of 'str' and 'int'"."""
+    from lab.serve import checked_arguments
+    from test_export_hf import random_gpt
+    run = save_checkpoint(random_gpt(n_embd=64), tmp_path / "run")  # heads of 32 channels, which vLLM's CPU takes
+    r = run_script("lab/export_hf.py", f"--out_dir={run}", f"--to={tmp_path / 'hf'}")
+    assert r.returncode == 0, r.stderr
+    assert checked_arguments([str(tmp_path / "hf")])[:2] == ["--model", str(tmp_path / "hf")]
+    for overrides, kind in (('{"n_loop": 2.5}', "float 2.5"), ('{"n_loop": "two"}', "str 'two'"),
+                            ('{"n_loop": true}', "bool True")):
+        with pytest.raises(ValueError) as e:
+            checked_arguments([str(tmp_path / "hf"), "--hf-overrides", overrides])
+        assert str(e.value) == f"--hf-overrides: n_loop must be int (like 2), got {kind}"
+    weights = tmp_path / "hf" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ValueError) as e:
+        checked_arguments([str(tmp_path / "hf")])
+    assert str(e.value) == (f"{weights} is not a whole safetensors file (Error while deserializing header: incomplete "
+                            f"metadata, file not fully covered): export the folder again")
+    r = run_script("lab/serve.py", str(tmp_path / "hf"), "--dtype=float32")
+    assert (r.returncode, r.stdout, r.stderr) == (2, "", f"error: {e.value}\n")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # speculative decoding: last in the file, since its n-gram proposer loads numba, after which vLLM 0.32 cannot start
 # another engine in the process (its kernel-override scan of every module fails on a numba object: AttributeError
