@@ -9,9 +9,10 @@ which runs the config files named on the command line (python files of `key = va
 top level, in lower case: not the names it imports (train.py's EVAL_SEED, sample.py's MAX_LOOPS) nor its UPPER_CASE
 constants. Values are read with ast.literal_eval, never eval; a value that
 is no Python literal is taken as a bare string (`--dataset=builtin`). A value has its default's type (an int may stand
-for a float; None only where the default is None). Anything wrong stops the script with one line
-on stderr and exit code 2, also a config file that does not run (the line names the file and its line). A script that must tell a setting given from its default (sweep.py, where a given one
-overrides a mode's own budget) passes a set as `given`: it receives the keys that the files and overrides set.
+for a float; None only where the default is None). Anything wrong stops the script with one line on stderr and exit
+code 2, also a config file that does not run (the line names the file and its line). A script that must tell a
+setting given from its default (sweep.py, where a given one overrides a mode's own budget) passes a set as `given`:
+it receives the keys that the files and overrides set.
 """
 
 import ast

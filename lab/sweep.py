@@ -36,8 +36,10 @@ Each mode runs every combination of its schemes x loops x exponents x learning_r
 the mode's default, MODES below) and writes out_dir/results.md (tables), out_dir/<mode>.png (its plot) and
 out_dir/curves.png (every run's training loss against the floor and the escape line) and one folder per run under
 out_dir/runs/. A run whose folder already holds result.json is not trained again, so an interrupted sweep picks up
-where it stopped (the run it interrupted starts over: train.py's start_over moves that attempt's files into the run's
-previous-N folder), and a sweep with more seeds reuses the runs it has; delete out_dir to start from scratch.
+where it stopped (a text run it interrupted resumes from its checkpoint; a depth-task run starts over, train.py's
+start_over moving that attempt's files into the run's previous-N folder), and a sweep with more seeds reuses the runs
+it has; delete out_dir to start from scratch. A result of other settings than the sweep's is never reused, and
+SIGTERM or Ctrl-C stops the sweep with its runs' checkpoints, to resume with the same command (lab/sweep_runs.py).
 
 Escaping the floor. A model that has only learned how often each token occurs scores the unigram entropy of the
 data, measured here from the training split; short Post-LN runs often stall there. A run has *escaped* when its
@@ -51,7 +53,6 @@ goes almost entirely to the output layer, and in the minutes a sweep has every s
 """
 
 import itertools
-import json
 import math
 import os
 import runpy
@@ -65,7 +66,7 @@ from configurator import configure, die
 from lab import require
 from dataset import load_meta, read_shard
 from model import OWN_EXPONENT, RESIDUALS
-from lab.sweep_runs import Runs, mean_over_k, run_name, split_scheme
+from lab.sweep_runs import Runs, mean_over_k, split_scheme
 from prepare_data import prepare_builtin_if_missing
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -103,6 +104,8 @@ max_iters = 400           # the token budget: max_iters * batch_size * block_siz
 warmup_iters = 100        # Post-LN needs a real warmup: with 30, every Post-LN scheme stalled at unigram level
 eval_iters = 20
 dtype = "auto"            # one precision for every run; auto: measured once here (runtime.choose_dtype)
+# the settings as this file sets them: what the runs of a result that records no settings got (lab/sweep_runs.py)
+DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str))}
 given = set()             # the settings that config files and --key=value overrides set (configurator)
 config = configure(globals(), sys.argv[1:], given)
 require("matplotlib")  # the plots at the end
@@ -166,7 +169,8 @@ if results_from and mode != "budget":
 if report_only and mode != "budget":
     die(f"report_only applies to --mode=budget, whose study a session may not finish; --mode={mode} tables its "
         f"runs when they are done")
-dataset = dataset or ("stdlib_bytes" if mode == "budget" else "builtin_bytes")
+mode_dataset = "stdlib_bytes" if mode == "budget" else "builtin_bytes"
+dataset = dataset or mode_dataset
 on_chains = mode == "depth" or dataset == "chains"  # the depth task (tasks.py): accuracy by k, not loss
 if on_chains and mode not in ("depth", "transfer"):
     die(f"--dataset=chains (the depth task) applies to --mode=depth and --mode=transfer, not --mode={mode}; "
@@ -284,8 +288,13 @@ if not on_chains:
           f"its final val loss is below {floor - escape_margin:.4f}")
 if mode == "budget" and "dtype" not in given:
     dtype = "float32"  # auto picks by the machine's bfloat16 speed: a study compared across CPUs trains in one precision
+# the runs of this sweep, and those of its mode's defaults (what a result that records no settings was made with)
+default_budget = {**{k: (depth_config if on_chains else DEFAULTS)[k] for k in MODEL_AND_BUDGET},
+                  **BUDGETS.get(grid_name, {})}
 runner = Runs(out_dir, mode, on_chains, dataset, mode_budget, DEPTH_CONFIG, variant_settings, loop_list,
-              checkpoint_minutes, **{k: globals()[k] for k in MODEL_AND_BUDGET})
+              checkpoint_minutes, **{k: globals()[k] for k in MODEL_AND_BUDGET},
+              defaults=Runs(out_dir, mode, on_chains, mode_dataset, BUDGETS.get(grid_name, {}), DEPTH_CONFIG,
+                            variant_settings, loop_list, checkpoint_minutes, **default_budget))
 train = runner.train
 run_dtype, dtype_reason = runner.sweep_dtype(dtype)
 print(f"dtype {run_dtype} for every run: {dtype_reason}")
@@ -293,22 +302,6 @@ if mode == "budget":
     from lab.sweep_budget import rate_at, rate_walk, report
 
     budget_list = number_list("budgets", int)
-    if results_from:
-        try:
-            with open(results_from) as f:
-                imported = [json.loads(line) for line in f if line.strip()]
-        except (OSError, ValueError) as e:
-            die(f"--results_from={results_from} is not a readable runs.jsonl ({type(e).__name__}): name the file a "
-                f"budget study wrote, e.g. docs/runs/budget_study_runs.jsonl")
-        taken = 0
-        for run in imported:
-            path = os.path.join(out_dir, "runs", run["name"], "result.json")
-            if not os.path.isfile(path):  # a run of this machine's is kept
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "w") as f:
-                    json.dump(run, f)
-                taken += 1
-        print(f"{results_from}: {taken} of its {len(imported)} runs taken as done", flush=True)
     long_list, long_seed_list = str(long_schemes or MODES[grid_name]["long_schemes"]).split(","), number_list(
         "long_seeds", int)
     if budget_list != sorted(set(budget_list)) or budget_list[0] < 1:
@@ -321,6 +314,9 @@ if mode == "budget":
     if long_rate and long_rate not in lr_list:
         die(f"long_rate must be one of --learning_rates={','.join(f'{lr:g}' for lr in lr_list)}, so that its rate "
             f"check has the grid's neighbours; got {long_rate:g}")
+    if results_from:
+        taken, total = runner.import_results(results_from)
+        print(f"{results_from}: {taken} of its {total} runs taken as done", flush=True)
 
 
     def best_rate(s, r):
@@ -380,16 +376,15 @@ if mode == "budget":
         while changed:  # a resolved rate makes the next budget's runs resolvable
             changed = False
             for job in map(resolve, plan):
-                path = job and os.path.join(out_dir, "runs", run_name(*job), "result.json")
-                if job and job not in results and os.path.isfile(path):
-                    with open(path) as f:
-                        results[job] = json.load(f)
+                if job and job not in results and (result := runner.done(*job)):
+                    results[job] = result
                     changed = True
     else:
         pending, running = list(plan), {}
+        runner.catch_signals()
         with ThreadPoolExecutor(workers) as pool:
             while pending or running:
-                while len(running) < workers:
+                while len(running) < workers and not runner.stopping:
                     ready = next(((planned, job) for planned in pending for job in [resolve(planned)] if job), None)
                     if ready is None:
                         break
@@ -402,6 +397,7 @@ if mode == "budget":
                 finished, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in finished:
                     results[running.pop(future)] = future.result()
+        runner.end_if_stopped()
     best = {(s, r): best_rate(s, r) for s in scheme_list for r in loop_list if best_rate(s, r) is not None}
     report(results, best, dict(out_dir=out_dir, schemes=scheme_list, loops=loop_list, rates=lr_list,
                                seeds=seed_list, budgets=budget_list, long_schemes=long_list, long_seeds=long_seed_list,
@@ -419,8 +415,10 @@ if on_chains:
 else:
     budget = f"{max_iters * batch_size * block_size:,} tokens"
 print(f"{mode} sweep: {len(grid)} runs of {budget}, {workers} at a time, into {out_dir}/runs", flush=True)
+runner.catch_signals()
 with ThreadPoolExecutor(workers) as pool:
     results = dict(zip(jobs, pool.map(lambda job: train(*job), jobs)))
+runner.end_if_stopped()
 minutes = (time.time() - t_start) / 60
 run_minutes = sum(run["seconds"] for run in results.values()) / 60
 

@@ -256,8 +256,8 @@ def test_start_over_moves_the_runs_evaluations_with_it_and_an_evaluation_alone_i
     (out_dir / "notes.txt").write_text("mine")  # not a run's file: it stays
     guard.lock_out_dir(str(out_dir), start_over=True).close()
     assert capsys.readouterr().out == (f"start_over: moved {out_dir}'s ckpt.pt, metrics.jsonl, "
-                                       f"eval_mc_1shot_loop4_iter300_limit2.json and eval_piqa_0shot_loop2_iter300.json "
-                                       f"into {out_dir / 'previous-1'}\n")
+                                       f"eval_mc_1shot_loop4_iter300_limit2.json and "
+                                       f"eval_piqa_0shot_loop2_iter300.json into {out_dir / 'previous-1'}\n")
     assert sorted(os.listdir(out_dir / "previous-1")) == ["ckpt.pt", "eval_mc_1shot_loop4_iter300_limit2.json",
                                                           "eval_piqa_0shot_loop2_iter300.json", "metrics.jsonl"]
     assert (out_dir / "previous-1" / "eval_piqa_0shot_loop2_iter300.json").read_text() == \
@@ -265,4 +265,4 @@ def test_start_over_moves_the_runs_evaluations_with_it_and_an_evaluation_alone_i
     assert sorted(os.listdir(out_dir)) == ["notes.txt", "previous-1", "train.lock"]
     (out_dir / "eval_piqa_0shot_loop2_iter300.json").write_text("second")
     assert one_line_exit(capsys, guard.lock_out_dir, str(out_dir)).startswith(
-        f"{out_dir} holds an earlier run (eval_piqa_0shot_loop2_iter300.json), which a run from scratch would overwrite")
+        f"{out_dir} holds an earlier run (eval_piqa_0shot_loop2_iter300.json), which a run from scratch would")

@@ -30,14 +30,18 @@ def sweep(*args):
     return run_script("lab/sweep.py", *args)  # its train.py runs are subprocesses still
 
 
-def write_runs(out, runs):
-    """runs: {(scheme, R, p, lr, seed): final val loss or None (diverged)} -> result.json files like sweep.py's"""
+MADE_UP = {"max_iters": 0}  # the settings of the made-up runs: sweep_made_up's, the mode's defaults for the others
+
+
+def write_runs(out, runs, settings=MADE_UP):
+    """runs: {(scheme, R, p, lr, seed): final val loss or None (diverged)} -> result.json files like sweep.py's, made
+    with settings (the others as the mode's defaults)"""
     for (scheme, n_loop, p, lr, seed), val_loss in runs.items():
         name = f"{scheme}_R{n_loop}_p{p:g}_lr{lr:g}_seed{seed}"
         os.makedirs(out / "runs" / name)
         result = dict(name=name, scheme=scheme, n_loop=n_loop, exponent=p, lr=lr, seed=seed, seconds=1.5,
                       val_loss=val_loss, kappa=None if val_loss is None else 1.0 + n_loop * p,
-                      curve=[(0, 5.6), (10, 3.4), (20, 3.3 if val_loss is None else val_loss)])
+                      curve=[(0, 5.6), (10, 3.4), (20, 3.3 if val_loss is None else val_loss)], settings=settings)
         (out / "runs" / name / "result.json").write_text(json.dumps(result))
 
 
@@ -148,9 +152,9 @@ def test_transfer_mode_reads_each_schemes_best_rate_at_each_loop_count(tmp_path,
     assert (out / "transfer.png").stat().st_size > 10000
 
 
-def write_depth_runs(out, runs):
+def write_depth_runs(out, runs, settings=MADE_UP):
     """runs: {(scheme, R, lr, seed): accuracy at k = 1, 2 or None (diverged)} -> result.json files like sweep.py's
-    depth mode writes"""
+    depth mode writes, made with settings"""
     for (scheme, n_loop, lr, seed), accuracy in runs.items():
         name = f"{scheme}_R{n_loop}_p0_lr{lr:g}_seed{seed}"
         os.makedirs(out / "runs" / name)
@@ -159,7 +163,8 @@ def write_depth_runs(out, runs):
                       val_loss=None if accuracy is None else 1.0, kappa=None if accuracy is None else n_loop / 2,
                       curve=[(0, 2.0), (10, 1.0)], accuracy=by_k, shortcut={"1": 0.4, "2": 0.25},
                       test_time={} if scheme == "untied" or by_k is None else
-                      {str(n): {"1": accuracy[0] * min(n, n_loop) / n_loop, "2": 0.3} for n in (1, 2, 4)})
+                      {str(n): {"1": accuracy[0] * min(n, n_loop) / n_loop, "2": 0.3} for n in (1, 2, 4)},
+                      settings=settings)
         (out / "runs" / name / "result.json").write_text(json.dumps(result))
 
 
@@ -260,7 +265,8 @@ def test_transfer_mode_on_the_depth_task_ranks_rates_by_accuracy_at_the_hardest_
     at_k2 = {("preln", 1): [0.3, 0.5, 0.4], ("preln", 2): [0.3, 0.4, 0.6], ("deeploop", 1): [0.2, 0.2, 0.2],
              ("deeploop", 2): [0.1, None, 0.7]}
     write_depth_runs(out, {(s, r, lr, seed): None if v is None else (1 - v, v + seed / 10)
-                           for (s, r), vs in at_k2.items() for lr, v in zip((1e-3, 2e-3, 4e-3), vs) for seed in (0, 1)})
+                           for (s, r), vs in at_k2.items() for lr, v in zip((1e-3, 2e-3, 4e-3), vs) for seed in (0, 1)},
+                     settings={})
     # the mode's own budget (BUDGETS), not --max_iters=0: every run exists, so nothing is trained
     r = sweep("--mode=transfer", "--dataset=chains", f"--out_dir={out}", "--schemes=preln,deeploop", "--loops=1,2",
               "--learning_rates=1e-3,2e-3,4e-3", "--seeds=0,1")
@@ -293,7 +299,7 @@ def test_transfer_verdict_says_no_best_rate_where_the_rates_tie_or_no_run_beats_
              ("deeploop", 2): [0.3, 0.3, 0.2],  # above the shortcut, but two rates share the best score
              ("deepnorm", 1): [0.14, 0.14, 0.14], ("deepnorm", 2): [0.14, 0.14, 0.14]}  # collapsed: a constant guess
     write_depth_runs(out, {(s, r, lr, seed): (0.5, v) for (s, r), vs in at_k2.items()
-                           for lr, v in zip((1e-3, 2e-3, 4e-3), vs) for seed in (0, 1)})
+                           for lr, v in zip((1e-3, 2e-3, 4e-3), vs) for seed in (0, 1)}, settings={})
     r = sweep("--mode=transfer", "--dataset=chains", f"--out_dir={out}", "--schemes=preln,deeploop,deepnorm",
               "--loops=1,2", "--learning_rates=1e-3,2e-3,4e-3", "--seeds=0,1")
     assert r.returncode == 0, r.stderr
@@ -311,7 +317,7 @@ def test_transfer_verdict_says_no_best_rate_where_the_rates_tie_or_no_run_beats_
 
 def test_settings_from_a_config_file_override_the_modes_budget_and_reach_the_depth_tasks_runs(tmp_path, floor):
     out = tmp_path / "transfer"
-    write_runs(out, {("preln", r, 0.0, 1e-3, 0): 2.9 for r in (1, 2)})
+    write_runs(out, {("preln", r, 0.0, 1e-3, 0): 2.9 for r in (1, 2)}, settings={"max_iters": 7, "batch_size": 8})
     settings = tmp_path / "budget.py"
     settings.write_text("max_iters = 7\nbatch_size = 8\n")  # batch_size as sweep.py's default: still given
     r = sweep(str(settings), "--mode=transfer", f"--out_dir={out}", "--schemes=preln", "--loops=1,2",
@@ -320,7 +326,8 @@ def test_settings_from_a_config_file_override_the_modes_budget_and_reach_the_dep
     assert " s)\n" not in r.stdout  # nothing trained: the runs are the ones above
     assert "after 3,584 training tokens (7 steps of 8x64, " in (out / "results.md").read_text()  # BUDGETS: 300 of 4
     out = tmp_path / "transfer-chains"
-    write_depth_runs(out, {("preln", r, 1e-3, 0): (0.5, 0.3) for r in (1, 2)})
+    write_depth_runs(out, {("preln", r, 1e-3, 0): (0.5, 0.3) for r in (1, 2)},
+                     settings={"n_embd": 48, "block_size": 24})
     settings.write_text("n_embd = 48\nblock_size = 24\n")
     r = sweep(str(settings), "--mode=transfer", "--dataset=chains", f"--out_dir={out}", "--schemes=preln",
               "--loops=1,2", "--learning_rates=1e-3", "--seeds=0")
@@ -442,14 +449,15 @@ def test_a_variant_runs_its_model_settings_and_labels_its_rows(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error: the grid has no runs: untied at R = 1 would be Pre-LN")
 
 
-def write_budget_runs(out, runs):
-    """runs: {(scheme, R, lr, seed, steps): final val loss} -> result.json files like the budget mode's"""
+def write_budget_runs(out, runs, settings={"dataset": "builtin_bytes"}):
+    """runs: {(scheme, R, lr, seed, steps): final val loss} -> result.json files like the budget mode's, made with
+    settings (BUDGET_ARGS')"""
     for (scheme, n_loop, lr, seed, steps), val_loss in runs.items():
         name = f"{scheme}_R{n_loop}_p0_lr{lr:g}_seed{seed}_it{steps}"
         os.makedirs(out / "runs" / name)
         result = dict(name=name, scheme=scheme, n_loop=n_loop, exponent=0.0, lr=lr, seed=seed, steps=steps,
                       seconds=2.0, val_loss=val_loss, kappa=1.0, curve=[(0, 5.6), (steps, val_loss)],
-                      val_curve=[(steps, val_loss)])
+                      val_curve=[(steps, val_loss)], settings=settings)
         (out / "runs" / name / "result.json").write_text(json.dumps(result))
 
 
@@ -607,8 +615,10 @@ def test_budget_mode_walks_each_long_rate_on_every_long_seed_and_tables_it(tmp_p
                 runs[s, r, lr, seed, 2] = 3.0 if lr == 3e-3 else 3.5
         for lr, losses in by_rate.items():
             runs.update({(s, r, lr, seed, 3): loss for seed, loss in enumerate(losses)})
-    write_budget_runs(out, runs)
-    args = ["--mode=budget", "--dataset=builtin_bytes", "--schemes=preln,deeploop", "--loops=1",
+    won = [("preln", 1, 1e-3, 1, 3), ("deeploop", 1, 1e-3, 1, 3), ("deeploop", 3, 1e-2, 1, 3)]
+    write_budget_runs(out, {job: loss for job, loss in runs.items() if job not in won},
+                      settings={"dataset": "builtin_bytes", "warmup_iters": 1, "eval_iters": 1})
+    args = ["--mode=budget", "--dataset=builtin_bytes", "--schemes=preln,deeploop", "--loops=1,3",
             "--learning_rates=1e-3,3e-3,1e-2", "--seeds=0,1", "--budgets=2,3", "--full_grid_until=2",
             "--long_schemes=preln,deeploop", "--long_seeds=0,1", "--warmup_iters=1", "--eval_iters=1",
             f"--out_dir={out}", "--workers=1"]
