@@ -3,6 +3,7 @@ and 3 loops and with adaptive exit (lab.decode, both cache layouts), equal those
 7e378f4 (tests/fixtures/greedy_tokens.json, which this file writes when run as a script); and the uncached ones equal
 a plain reference: the argmax of a forward pass with gradients on, through lm_head itself, over the cropped context."""
 
+import copy
 import json
 import os
 
@@ -83,3 +84,28 @@ if __name__ == "__main__":  # records the fixture: PYTHONPATH=. python tests/tes
     torch.set_num_threads(1)  # as the tests run (conftest.py)
     with open(FIXTURE, "w") as f:
         json.dump(all_tokens(), f, separators=(",", ":"))
+
+
+def test_the_packed_output_layer_follows_the_weight_and_stays_out_of_state_dict_training_and_copies():
+    """Inference's copy of the output layer (GPT.output_layer) is made again after an optimizer step and after
+    load_state_dict (its logits equal those of lm_head itself, where gradients are recorded), is no entry of
+    state_dict, is not made where gradients are recorded, and a model that holds one deep-copies."""
+    torch.manual_seed(0)
+    model = GPT(tiny(vocab_size=512))
+    idx = torch.randint(0, 512, (2, 6))
+    keys = set(model.state_dict())
+    model(idx, idx)[1].backward()
+    assert not hasattr(model, "packed_head")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for change in ("step", "load_state_dict"):
+        with torch.no_grad():
+            before = model(idx)[0]
+        optimizer.step() if change == "step" else model.load_state_dict(GPT(tiny(vocab_size=512)).state_dict())
+        with torch.no_grad():
+            after = model(idx)[0]
+        assert not torch.allclose(before, after), change
+        torch.testing.assert_close(after, model(idx)[0].detach(), rtol=0, atol=1e-5, msg=change)
+    assert hasattr(model, "packed_head") == torch.backends.mkldnn.is_available()
+    assert set(model.state_dict()) == keys
+    with torch.no_grad():
+        assert torch.equal(copy.deepcopy(model)(idx)[0], model(idx)[0])
