@@ -355,7 +355,19 @@ class GPT(nn.Module):
         """Logits from the state the loops left: the coda, the final norm and the output layer."""
         for block in self.transformer.coda:
             x = block(x, next(caches))
-        return self.lm_head(self.transformer.ln_f(x[:, -1:] if last_only else x))
+        return self.output_layer(self.transformer.ln_f(x[:, -1:] if last_only else x))
+
+    def output_layer(self, x):
+        """lm_head(x); without gradients, in float32 on a CPU, through a copy of the weight that oneDNN packs: F.linear
+        is far slower on few rows, a decode step's (docs/speed.md). A closure holds it: never saved or deep-copied."""
+        w = self.lm_head.weight if type(self.lm_head) is nn.Linear else None  # a swapped-in head computes its own way
+        if (w is None or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()
+                or not (x.is_cpu and x.dtype == w.dtype == torch.float32 and torch.backends.mkldnn.is_available())):
+            return self.lm_head(x)
+        if getattr(self, "packed_head", (None,))[0] != (key := (w.data_ptr(), w._version)):
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)  # laid out for 8 rows: the fastest from 1 to 2048
+            self.packed_head = key, lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return self.packed_head[1](x)
 
     def loss(self, logits, targets):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
@@ -384,7 +396,6 @@ class GPT(nn.Module):
         n_loop (the lab's kv_cache=last_loop shares one per block)."""
         return [KVCache() for _ in range(self.config.depth(n_loop or self.config.n_loop))]
 
-    @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=None, use_cache=True,
                  vocab_size_limit=None):
         """Sample max_new_tokens continuations of idx (B, T) -> (B, T + max_new_tokens); see generate_stream."""
@@ -398,9 +409,8 @@ class GPT(nn.Module):
         and reads the earlier positions' keys and values from caches (new_caches' by default). Once the context
         outgrows block_size the window slides, every position embedding shifts, and the cache is refilled from the
         last block_size tokens: the output equals recomputing the cropped context at every step. vocab_size_limit
-        samples only ids below it (a tokenizer cannot decode the output layer's padding ids).
-        next_logits(ids, caches) -> the logits of the last position, in place of forward: how the lab's adaptive
-        exit decodes."""
+        samples only ids below it (a tokenizer cannot decode the output layer's padding ids). next_logits(ids,
+        caches) -> the logits of the last position, in place of forward: how the lab's adaptive exit decodes."""
         caches = (caches or self.new_caches(n_loop)) if use_cache else None
         for _ in range(max_new_tokens):
             if caches and 0 < caches[0].past < self.config.block_size:
@@ -412,11 +422,9 @@ class GPT(nn.Module):
             logits = next_logits(ids, caches) if next_logits else self(ids, None, n_loop, caches, last_only=True)[0]
             logits = logits[:, -1, :vocab_size_limit].float()  # the softmax in float32
             logits = (logits - logits.amax(-1, keepdim=True)) / temperature  # max at 0: no temperature overflows
-            if top_k is not None:  # sample among the top_k only: far cheaper than masking a large vocabulary
-                logits, candidates = torch.topk(logits, min(top_k, logits.size(-1)))
-                idx_next = candidates.gather(-1, torch.multinomial(F.softmax(logits, dim=-1), num_samples=1))
-            else:
-                idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            logits, top = torch.topk(logits, min(top_k, logits.size(-1))) if top_k is not None else (logits, None)
+            idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx_next = idx_next if top is None else top.gather(-1, idx_next)  # top_k's: cheaper than masking the rest
             idx = torch.cat((idx, idx_next), dim=1)
             yield idx_next
 

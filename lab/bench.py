@@ -7,6 +7,8 @@ KV cache for 1 and batch_size sequences, the cached step against its memory floo
     python -m lab.bench --compare_depths=True --gen_tokens=0   # and 8 blocks x 1 loop, same FLOPs: the ratio
     python -m lab.bench --tuned_malloc=False              # glibc's default allocator policy (see runtime.tune_malloc)
     python -m lab.bench --compare_caches=True             # kv_cache per_visit against last_loop; adaptive exit's test
+    python -m lab.bench --gen_sequences=1,8,32 --gen_uncached=False --dtype=float32 --warmup_steps=0 \
+        --timed_steps=1                                   # the cached step against its floor, docs/speed.md's table
     python -m lab.bench --compile=True --n_layer=6 --n_loop=2 --n_head=12 --n_embd=768 --block_size=1024 \\
         --batch_size=12                                   # config/loop_small.py's model
 
@@ -24,12 +26,15 @@ whose first step alone ends past it is reported with that step's time and not ti
 compilation, in a compiled precision's first step, cannot be predicted (on a CPU it can take a minute): it is the one
 thing that can run past the share.
 Generation: gen_tokens new tokens after a gen_prompt_len-token prompt, for 1 sequence and for batch_size
-sequences, once with the KV cache and once recomputing the context at every step; the figures are per step after the
-prompt's pass. Past block_size the window slides as generation's does. Compiled models generate compiled.
+sequences (or the counts of gen_sequences), once with the KV cache and once recomputing the context at every step
+(gen_uncached); the figures are per step after the prompt's pass. Past block_size the window slides as generation's
+does. Compiled models generate compiled.
 A cached decode step is memory-bound: its floor is the bytes of weights and cache it must read
-(lab.flops.decode_step_bytes, at the mean cache length of the generation) over the memory's read bandwidth, measured
-here. compare_caches adds, timed alike through the same blocks and precision: the cached step with each kv_cache
-layout of lab.decode, the step at one loop, and the step with adaptive exit's test after every loop.
+(lab.flops.decode_step_bytes: the weights at the precision they are stored in, the cache at the one the step computes
+in, at the mean cache length of the generation) over the memory's read bandwidth, measured here in the same run; a
+last line per model sets the cached step of every count of sequences against it. compare_caches adds, timed alike
+through the same blocks and precision: the cached step with each kv_cache layout of lab.decode, the step at one loop,
+and the step with adaptive exit's test after every loop.
 The figures are wall-clock: the first line says how busy the machine was (its load average).
 """
 
@@ -47,7 +52,7 @@ from runtime import autocast_context, choose_dtype, default_peak_flops, synchron
 from configurator import configure, die
 from model import GPT, GPTConfig
 from lab.decode import KV_CACHES, exit_logits, generate_stream, new_caches
-from lab.flops import decode_step_bytes, flops_per_token, read_bandwidth
+from lab.flops import decode_step_bytes, flops_per_token, kv_cache_bytes, read_bandwidth
 
 # model
 n_layer = 2
@@ -71,6 +76,8 @@ warmup_steps = 2
 timed_steps = 5  # training throughput is the median of these
 gen_tokens = 200  # new tokens per sequence in the generation benchmark (the first is the prompt's pass); 0 skips it
 gen_prompt_len = 16  # past block_size - gen_prompt_len tokens the window slides: each step recomputes it all
+gen_sequences = ""  # counts of sequences to generate for, e.g. 1,8,32; empty: 1 and batch_size
+gen_uncached = True  # also time generation without the cache (at 32 sequences it takes minutes)
 compare_depths = False  # also bench n_layer * n_loop blocks x 1 loop (same unrolled FLOPs) and print the ratio
 compare_dtypes = False  # bench float32, bfloat16 and bfloat16 compiled side by side (instead of dtype and compile)
 compare_seconds = 60.0  # about how long compare_dtypes takes in all, a third for each precision (see above)
@@ -91,6 +98,12 @@ if (warmup_steps < 0 or timed_steps < 1 or gen_tokens < 0 or gen_tokens == 1 or 
         or not compare_seconds >= 0 or min(batch_size, n_head, n_embd, vocab_size) < 1):
     die("need --warmup_steps >= 0, --timed_steps >= 1, --gen_tokens 0 or >= 2, 1 <= --gen_prompt_len <= block_size, "
         "--compare_seconds >= 0, and --batch_size, --n_head, --n_embd, --vocab_size >= 1")
+try:
+    sequence_counts = sorted({int(n) for n in str(gen_sequences).split(",")}) if gen_sequences else [1, batch_size]
+except ValueError:
+    sequence_counts = [0]
+if sequence_counts[0] < 1:
+    die(f"--gen_sequences takes counts of sequences >= 1 like 1,8,32, got {gen_sequences!r}")
 device_type = device.split(":")[0]
 if compile is None:
     compile = device_type == "cuda"
@@ -282,19 +295,30 @@ def bench_generation(model, optimizer, ctx, dtype):
     model.eval()
     bandwidth = read_bandwidth(device)
     print(f"memory: reads {bandwidth / 1e9:.1f} GB/s (best of sums and vector-matrix products over 256 MiB)")
-    for sequences in sorted({1, batch_size}):
+    past, cache_size, weight_size = gen_prompt_len + gen_tokens / 2, getattr(torch, dtype).itemsize, \
+        model.lm_head.weight.element_size()
+    ratios = []
+    for sequences in sequence_counts:
         prompt = torch.randint(vocab_size, (sequences, gen_prompt_len), device=device)
-        cached, uncached = (generation_step(model, ctx, prompt, use_cache) for use_cache in (True, False))
-        step_bytes = decode_step_bytes(model, sequences, gen_prompt_len + gen_tokens / 2,
-                                       getattr(torch, dtype).itemsize)
+        cached = generation_step(model, ctx, prompt, True)
+        step_bytes = decode_step_bytes(model, sequences, past, cache_size, weight_size=weight_size)
         floor = step_bytes / bandwidth
+        uncached = generation_step(model, ctx, prompt, False) if gen_uncached else None
+        uncached_figures = f", uncached {uncached * 1e3:.2f} ms/step ({sequences / uncached:.1f} tokens/s), cache " \
+                           f"speed-up {uncached / cached:.1f}x" if uncached else ""
         print(f"generate: {gen_tokens} new tokens x {sequences} sequence{'s' if sequences > 1 else ''}: "
-              f"cached {cached * 1e3:.2f} ms/step ({sequences / cached:.1f} tokens/s), uncached "
-              f"{uncached * 1e3:.2f} ms/step ({sequences / uncached:.1f} tokens/s), cache speed-up "
-              f"{uncached / cached:.1f}x; a cached step reads {step_bytes / 1e6:.3g} MB: floor "
-              f"{floor * 1e3:.3g} ms, cached step {cached / floor:.2f}x the floor")
+              f"cached {cached * 1e3:.2f} ms/step ({sequences / cached:.1f} tokens/s){uncached_figures}; a cached "
+              f"step reads {step_bytes / 1e6:.3g} MB: floor {floor * 1e3:.3g} ms, cached step {cached / floor:.2f}x "
+              f"the floor")
+        ratios.append(f"{sequences} sequence{'s' if sequences > 1 else ''} {cached * 1e3:.2f} ms, "
+                      f"{cached / floor:.2f}x")
         if compare_caches:
             print("\n".join(compare_caches_lines(model, ctx, prompt)))
+    weights = decode_step_bytes(model, 0, 0, cache_size, weight_size=weight_size)
+    print(f"floor: a cached step reads the weights once, {weights / 1e6:.3g} MB ({weight_size} bytes each, as "
+          f"stored), and the keys and values of {past:g} positions per sequence in every visit, "
+          f"{kv_cache_bytes(model, 1, past, cache_size) / 1e6:.3g} MB per sequence, at {bandwidth / 1e9:.1f} GB/s; "
+          f"the cached step and its ratio to the floor: {'; '.join(ratios)}")
     sys.stdout.flush()
 
 

@@ -7,14 +7,16 @@ sequence against its memory floor.
     python -m lab.bench_engines                            # the bench model of lab.bench, random weights
     python -m lab.bench_engines --out_dir=out-smoke        # a trained checkpoint (its tokenizer's vocabulary)
     python -m lab.bench_engines --sequences=1,8 --engines=project,vllm --gen_tokens=64
+    python -m lab.bench_engines --step_sequences=1,8,32  # the decode step of 8 and 32 sequences too (docs/speed.md)
 
 The checkpoint is exported (lab.export_hf) into a temporary folder, which vLLM and transformers load and which is
 removed at the end. Every engine gets the same prompts (prompt_len random token ids each), samples gen_tokens new
 tokens per sequence (temperature 1, top_k; no end-of-text stop) in float32 on the CPU threads torch has, and is timed
 on whole calls: the best of `repeats` calls for each count of sequences, the prompt's pass included. A sequence's
 decode step is (the call for gen_tokens tokens - the call for one token) / (gen_tokens - 1), for one sequence: what
-a token costs once the prompt is read. Its floor is the bytes a cached step must read (lab.flops.decode_step_bytes,
-at the mean cache length of the generation) over the memory's read bandwidth measured here. Before timing, the three
+a token costs once the prompt is read; step_sequences times it for more counts of sequences, each with a one-token
+call of its own. Its floor is the bytes a cached step must read (lab.flops.decode_step_bytes, at the mean cache length
+of the generation, for as many sequences) over the memory's read bandwidth measured here. Before timing, the three
 engines decode one prompt greedily and the line says whether their tokens agree.
 
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, threads not pinned) with room for the largest count of
@@ -47,6 +49,7 @@ residual = "deeploop"
 # the generation
 engines = "vllm,project,transformers"
 sequences = "1,8,32"   # counts of concurrent sequences
+step_sequences = ""    # the counts among them whose decode step is timed and set against its floor; empty: 1
 gen_tokens = 128       # new tokens per sequence
 prompt_len = 16
 top_k = 200
@@ -66,14 +69,17 @@ def parsed_settings():
         raise ValueError(f"--engines takes a list of {', '.join(ENGINES)}, got {engines!r}")
     try:
         counts = sorted({int(s) for s in str(sequences).split(",")})
+        stepped = sorted({int(s) for s in str(step_sequences).split(",")}) if step_sequences else [1]
     except ValueError:
-        counts = []
+        counts, stepped = [], [0]
     if not counts or counts[0] < 1:
         raise ValueError(f"--sequences takes counts of sequences >= 1 like 1,8,32, got {sequences!r}")
+    if step_sequences and not set(stepped) <= set(counts):
+        raise ValueError(f"--step_sequences takes counts among --sequences ({sequences}), got {step_sequences!r}")
     if gen_tokens < 2 or prompt_len < 1 or prompt_len + gen_tokens > block_size or repeats < 1 or top_k < 1:
         raise ValueError(f"need --gen_tokens >= 2, --prompt_len >= 1 with prompt_len + gen_tokens <= the context "
                          f"({block_size}), --repeats >= 1 and --top_k >= 1")
-    return names, counts
+    return names, counts, stepped
 
 
 def bench_checkpoint(folder):
@@ -151,7 +157,7 @@ def best_call(generate, prompts, tokens):
 
 if __name__ == "__main__":
     try:
-        names, counts = parsed_settings()
+        names, counts, stepped = parsed_settings()
         if "vllm" in names:
             require("vllm")
         if "transformers" in names or "vllm" in names:
@@ -176,6 +182,7 @@ if __name__ == "__main__":
         bandwidth = read_bandwidth("cpu")
         step_bytes = decode_step_bytes(model, 1, prompt_len + gen_tokens / 2, 4)
         floor = step_bytes / bandwidth
+        floors = {n: decode_step_bytes(model, n, prompt_len + gen_tokens / 2, 4) / bandwidth for n in stepped}
         print(f"memory: reads {bandwidth / 1e9:.1f} GB/s; a cached decode step of one sequence reads "
               f"{step_bytes / 1e6:.3g} MB: floor {floor * 1e3:.3g} ms", flush=True)
         generator = torch.Generator().manual_seed(seed)
@@ -193,16 +200,19 @@ if __name__ == "__main__":
         print(f"greedy, {GREEDY_TOKENS} tokens of one prompt: {verdict}", flush=True)
         rows = []
         for name, generate in engines_of.items():
-            one = best_call(generate, prompts[:1], 1)
+            ones = {n: best_call(generate, prompts[:n], 1) for n in stepped if n in counts}
             cells = {n: best_call(generate, prompts[:n], gen_tokens) for n in counts}
-            step = (cells[1] - one) / (gen_tokens - 1) if 1 in cells else None
-            rows.append((name, cells, step))
+            steps = {n: (cells[n] - one) / (gen_tokens - 1) for n, one in ones.items()}
+            rows.append((name, cells, steps))
             print(f"{name}: started in {started[name]:.1f} s, {torch.get_num_threads()} threads; " + ", ".join(
                 f"{n} x {gen_tokens} tokens in {s:.3g} s ({n * gen_tokens / s:.0f} tokens/s)" for n, s in cells.items())
-                + (f"; decode step {step * 1e3:.2f} ms, {step / floor:.1f}x the floor" if step else ""), flush=True)
+                + "".join(f"; decode step{f' of {n} sequences' if n > 1 else ''} {step * 1e3:.2f} ms, "
+                          f"{step / floors[n]:.1f}x the floor" for n, step in steps.items()), flush=True)
         print()
-        print("| engine | " + " | ".join(f"{n} seq, tokens/s" for n in counts) + " | decode step (1 seq) | x floor |")
-        print("|---|" + "---|" * (len(counts) + 2))
-        for name, cells, step in rows:
-            print(f"| {name} | " + " | ".join(f"{n * gen_tokens / cells[n]:.0f}" for n in counts) + " | " +
-                  (f"{step * 1e3:.2f} ms | {step / floor:.1f} |" if step else "— | — |"))
+        print("| engine | " + " | ".join(f"{n} seq, tokens/s" for n in counts) + " | " +
+              " | ".join(f"decode step ({n} seq) | x floor" for n in stepped) + " |")
+        print("|---|" + "---|" * (len(counts) + 2 * len(stepped)))
+        for name, cells, steps in rows:
+            print(f"| {name} | " + " | ".join(f"{n * gen_tokens / cells[n]:.0f}" for n in counts) + " | " + " | ".join(
+                f"{steps[n] * 1e3:.2f} ms | {steps[n] / floors[n]:.1f}" if n in steps else "— | —" for n in stepped)
+                + " |")

@@ -21,15 +21,17 @@ def kv_cache_bytes(model: GPT, sequences, positions, element_size, n_loop=None, 
     return 2 * entries * sequences * positions * cfg.n_embd * element_size
 
 
-def decode_step_bytes(model: GPT, sequences, past, element_size, n_loop=None):
+def decode_step_bytes(model: GPT, sequences, past, element_size, n_loop=None, weight_size=None):
     """Bytes a cached decode step must read from memory at the least (over the memory bandwidth: bench's floor):
     every weight of the blocks and of the output layer once, and in every unrolled visit the keys and values of the
     `past` positions of each sequence. The same in both cache layouts: last_loop stores one entry per block, but
-    each of a block's visits attends over all of it. The embeddings' few rows and the activations are left out."""
+    each of a block's visits attends over all of it. The embeddings' few rows and the activations are left out.
+    element_size: bytes of a cached key or value; weight_size: of a weight as stored (None: element_size), which
+    under autocast is more than the step computes in, and is read whole all the same."""
     t = model.transformer
     weights = sum(p.numel() for m in (t.prelude, t.h, t.coda, t.inject) if m is not None for p in m.parameters())
     weights += model.lm_head.weight.numel()
-    return weights * element_size + kv_cache_bytes(model, sequences, past, element_size, n_loop)
+    return weights * (weight_size or element_size) + kv_cache_bytes(model, sequences, past, element_size, n_loop)
 
 
 def read_bandwidth(device):

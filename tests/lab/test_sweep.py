@@ -639,7 +639,7 @@ def test_budget_mode_walks_each_long_rate_on_every_long_seed_and_tables_it(tmp_p
             result = json.loads(path.read_text())
             path.write_text(json.dumps({**result, "val_loss": loss}))
         else:
-            write_budget_runs(out, {(s, 1, lr, seed, 3): loss})
+            write_budget_runs(out, {(s, 1, lr, seed, 3): loss}, made)
     r = sweep(*args, "--report_only=True")
     assert "| preln | 1 | 3 | 0.000333: 2.5500; 0.001: **1.9300**; 0.003: 1.9750; 0.01: 2.1500 | 0.001 |" in r.stdout
     assert "| deeploop | 1 | 3 | 0.001: 2.2500; 0.003: **2.0600**; 0.01: diverged | 0.003 |" in r.stdout
