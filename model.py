@@ -38,17 +38,14 @@ def residual_coefficients(residual, unrolled_depth, exponent=0.0):
         deepnorm: alpha = (2N)^p,  beta = (8N)^(-p),  p = 1/4
         postln, preln, preln_scaled: alpha = beta = 1
 
-    A nonzero `exponent` replaces p for deeploop and deepnorm (the paper's Appendix C sweeps it).
-    Where they act: alpha up-weights the stream before each norm of a Post-LN block (Block.forward); beta multiplies
-    the value projection, the attention output projection and both MLP matrices once, at init (GPT.__init__).
-
-    Why 1/2: DeepNorm bounds how far one optimizer step moves the output of an untied network, where each of the N
-    branches gets and applies its own update. A looped block is visited n_loop times; its one update sums the
-    gradients of all its visits, and every visit reads it back. When the visits' gradients align (kappa_R near R,
-    lab/probes.py measures it) the output's change grows like the square of the visit count instead of linearly, and
-    keeping it bounded takes alpha and 1/beta growing like N^(1/2). At n_loop = 1 nothing is revisited and the rule
-    is a more conservative DeepNorm.
-    """
+    A nonzero `exponent` replaces p for deeploop and deepnorm (the paper's Appendix C sweeps it). Where they act:
+    alpha up-weights the stream before each norm of a Post-LN block (Block.forward); beta multiplies the value
+    projection, the attention output projection and both MLP matrices once, at init (GPT.__init__).
+    Why 1/2: DeepNorm bounds how far one optimizer step moves the output of an untied network, each of whose N branches
+    gets and applies its own update. A looped block is visited n_loop times; its one update sums the gradients of all
+    its visits, and every visit reads it back. When the visits' gradients align (kappa_R near R, lab/probes.py) the
+    output's change grows like the square of the visit count, and bounding it takes alpha and 1/beta growing like
+    N^(1/2). At n_loop = 1 nothing is revisited and the rule is a more conservative DeepNorm."""
     if residual not in RESIDUALS:
         raise ValueError(f"unknown residual scheme {residual!r}; choose one of {', '.join(RESIDUALS)}")
     if exponent < 0:
@@ -93,13 +90,11 @@ class GPTConfig:
     residual: str = "deeploop"      # deeploop | deepnorm | postln | preln | preln_scaled
     residual_exponent: float = 0.0  # p of alpha = (2N)^p, beta = (8N)^-p; 0 = the scheme's own
     residual_lambda: float = 1.0    # preln_scaled's lambda
-    # The backbone; the defaults are GPT-2's. The paper's block is rmsnorm + rope + norm_branch_input,
-    # x = RMSNorm(alpha * x + f(RMSNorm(x))); Pre-LN branches read a normalized input already.
+    # the backbone, GPT-2's by default; the paper's block, RMSNorm(alpha * x + f(RMSNorm(x))), is all three below
     norm: str = "layernorm"             # layernorm | rmsnorm
     position_encoding: str = "learned"  # learned (GPT-2's embedding) | rope (rotary, on q and k)
     norm_branch_input: bool = False     # Post-LN: normalize each branch's input too
-    # alpha, beta and epsilon are fixed at init from this many loops (0: n_loop), whatever count a forward pass runs
-    coefficient_loops: int = 0
+    coefficient_loops: int = 0  # alpha, beta and epsilon from this many loops (0: n_loop), whatever a pass runs
     # Huginn's shape: blocks run once before and after the looped core, and the embedded input fed to every loop
     n_prelude: int = 0
     n_coda: int = 0
@@ -117,10 +112,10 @@ class GPTConfig:
         if not 0 <= self.coefficient_loops <= MAX_LOOPS:
             raise ValueError(f"coefficient_loops must be from 0 (= n_loop) to {MAX_LOOPS} (model.MAX_LOOPS), got "
                              f"{self.coefficient_loops}")
-        if self.n_prelude < 0 or self.n_coda < 0:
-            raise ValueError(f"n_prelude and n_coda must be >= 0 (0 = none), got n_prelude={self.n_prelude} "
-                             f"n_coda={self.n_coda}")
-        if self.n_head < 1 or self.n_embd % self.n_head:
+        if min(self.n_prelude, self.n_coda) < 0:
+            raise ValueError(f"n_prelude and n_coda must be >= 0 (0 = none), got n_prelude={self.n_prelude} n_coda="
+                             f"{self.n_coda}")
+        if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.position_encoding == "rope" and self.n_embd // self.n_head % 2:
             raise ValueError(f"rope rotates pairs of channels: the head size n_embd/n_head="
@@ -150,8 +145,7 @@ def make_norm(config):
 
 
 class KVCache:
-    """The keys and values one unrolled visit of a block has computed so far, for generation. The buffers hold a
-    whole block_size context and fill in place: no step copies the cache to grow it."""
+    """The keys and values one unrolled visit has computed so far, in buffers of block_size that fill in place."""
 
     def __init__(self):
         self.k = self.v = None  # (B, n_head, block_size, head_size) each, allocated at the first update
@@ -168,8 +162,7 @@ class KVCache:
 
 
 class Rotary(nn.Module):
-    """RoPE: channel pair (i, i + d/2) of q and k at position t turns by t * base^(-2i/d), so that a query-key score
-    depends on the distance between their positions only."""
+    """RoPE: channel pair (i, i + d/2) of q and k at position t turns by t * base^(-2i/d): scores see distances only."""
 
     def __init__(self, head_size, block_size, base=10000.0):
         super().__init__()
@@ -184,8 +177,7 @@ class Rotary(nn.Module):
 
     @staticmethod
     def rotate(x, cos, sin):
-        """x (..., T, d) turned by the angles whose cosines and sines are cos and sin (T, d/2); a server that packs
-        the tokens of many sequences into one pass picks each token's row by its own position."""
+        """x (..., T, d) turned by the angles of cos and sin (T, d/2), rows a server may pick per token's position."""
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 
@@ -212,8 +204,7 @@ class CausalSelfAttention(nn.Module):
         mask = None  # one new query after the cache sees every key: no mask keeps the fastest kernels eligible
         if past and T > 1:  # new queries after `past` cached keys: query i sees keys 0..past+i
             mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
-        # is_causal takes a Python bool: `not past` is one under torch.compile too, where `past == 0` would stay
-        # symbolic once past is dynamic, and break the compiled decode step's graph
+        # `not past` stays a Python bool under torch.compile (`past == 0` would turn symbolic and break the graph)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not past,
                                            dropout_p=self.dropout if self.training else 0.0)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
@@ -240,8 +231,7 @@ class Block(nn.Module):
         self.pre_ln, self.alpha, self.epsilon = config.residual in PRE_LN, alpha, epsilon
         self.ln_1, self.attn = make_norm(config), CausalSelfAttention(config)
         self.ln_2, self.mlp = make_norm(config), MLP(config)
-        # the paper's block normalizes each branch's input as well; its stream is the last norm's output already,
-        # so these differ from identities only through their learned gains
+        # the paper's block normalizes each branch's input too: identities but for their learned gains, at init
         branch_norm = config.norm_branch_input and not self.pre_ln
         self.ln_attn_input = make_norm(config) if branch_norm else nn.Identity()
         self.ln_mlp_input = make_norm(config) if branch_norm else nn.Identity()
@@ -255,11 +245,9 @@ class Block(nn.Module):
 
 
 class LoopInput(nn.Module):
-    """What every loop after the first reads, from the state x the previous loop left and the embedded input e:
-        add     x + e (Yang et al.'s looped transformer)
-        concat  Linear([x, e]) (Huginn's adapter), initialised to [I | 0]: at init it passes the state through
-    then a norm in Post-LN models, whose blocks expect a normalized stream. alpha does not weigh x against e: e is the
-    input, to be read as strongly as the first loop reads it."""
+    """What every loop after the first reads from the state x and the embedded input e: add, x + e (Yang et al.), or
+    concat, Linear([x, e]) (Huginn's adapter) initialised to [I | 0]; then a norm in Post-LN models. alpha does not
+    weigh x against e: the input is read as strongly as the first loop reads it."""
 
     def __init__(self, config):
         super().__init__()
@@ -283,20 +271,17 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd) if config.position_encoding == "learned" else None,
-            # Post-LN blocks read a normalized stream everywhere but at the first block; normalizing the embedding
-            # makes that one alike (without it the small embedding is swamped by what the first branches output
-            # for every position, and the model collapses to unigram statistics)
+            # Post-LN blocks read a normalized stream but at the first; a normalized embedding is not swamped by the
+            # first branches' outputs (without it the model collapses to unigram statistics)
             ln_e=make_norm(config) if post_ln else nn.Identity(),
             drop=nn.Dropout(config.dropout),
             prelude=blocks(config.n_prelude),  # empty by default
-            h=blocks(config.n_layer),          # the looped core
-            coda=blocks(config.n_coda),
+            h=blocks(config.n_layer), coda=blocks(config.n_coda),  # the looped core, then the coda
             inject=LoopInput(config) if config.loop_input != "none" else None,
             ln_f=nn.Identity() if post_ln else make_norm(config),  # a Post-LN block ends in a norm already
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
-
         self.apply(self._init_weights)
         with torch.no_grad():
             for block in (*self.transformer.prelude, *self.transformer.h, *self.transformer.coda):
@@ -319,18 +304,15 @@ class GPT(nn.Module):
 
     def num_params(self, non_embedding=True):
         """Stored parameters, whatever n_loop; the position embedding left out by default (as in nanoGPT)."""
-        n = sum(p.numel() for p in self.parameters())
-        wpe = self.transformer.wpe
-        return n - wpe.weight.numel() if non_embedding and wpe is not None else n
+        wpe = self.transformer.wpe if non_embedding and self.transformer.wpe is not None else None
+        return sum(p.numel() for p in self.parameters()) - (wpe.weight.numel() if wpe is not None else 0)
 
-    # A forward pass in three parts, which the lab's instruments also run one by one; `caches` gives each block, in
-    # the order of the visits, its KVCache (or None)
+    # A forward pass in three parts, which the lab runs one by one; `caches` gives each visit its KVCache (or None)
 
     def embed(self, idx, start, caches):
         """The input of the looped core: token (and position) embeddings from position `start` on, then the prelude."""
-        if start + idx.size(1) > self.config.block_size:
-            raise ValueError(f"sequence of length {start + idx.size(1)} is longer than block_size "
-                             f"{self.config.block_size}")
+        if (length := start + idx.size(1)) > self.config.block_size:
+            raise ValueError(f"sequence of length {length} is longer than block_size {self.config.block_size}")
         x = self.transformer.wte(idx)
         if self.transformer.wpe is not None:
             x = x + self.transformer.wpe(torch.arange(start, start + idx.size(1), device=idx.device))
@@ -347,8 +329,7 @@ class GPT(nn.Module):
         return x
 
     def loop_input(self, x, e):
-        """What a loop reads: the embedded input e in the first loop (x None), then the state x the previous loop
-        left, with e fed in by LoopInput where loop_input is set."""
+        """What a loop reads: e in the first loop (x None), then the state x, with e fed in by LoopInput if set."""
         return e if x is None else x if self.transformer.inject is None else self.transformer.inject(x, e)
 
     def readout(self, x, caches, last_only=False):
@@ -391,26 +372,21 @@ class GPT(nn.Module):
         return logits, None if targets is None else self.loss(logits, targets)
 
     def new_caches(self, n_loop=None):
-        """An empty KV cache for forward: one KVCache per unrolled visit, in the order of the visits. A block's second
-        visit sees another input than its first, so each visit keeps its own keys and values; the memory grows with
-        n_loop (the lab's kv_cache=last_loop shares one per block)."""
+        """An empty KV cache for forward, one KVCache per unrolled visit: each visit of a block sees another input, so
+        the memory grows with n_loop (the lab's kv_cache=last_loop shares one per block)."""
         return [KVCache() for _ in range(self.config.depth(n_loop or self.config.n_loop))]
 
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=None, use_cache=True,
-                 vocab_size_limit=None):
-        """Sample max_new_tokens continuations of idx (B, T) -> (B, T + max_new_tokens); see generate_stream."""
-        return torch.cat([idx, *self.generate_stream(idx, max_new_tokens, temperature, top_k, n_loop, use_cache,
-                                                     vocab_size_limit)], dim=1)
+    def generate(self, idx, max_new_tokens, *args, **kwargs):
+        """Sample max_new_tokens continuations of idx (B, T) -> (B, T + max_new_tokens); generate_stream's arguments."""
+        return torch.cat([idx, *self.generate_stream(idx, max_new_tokens, *args, **kwargs)], dim=1)
 
     @torch.no_grad()
     def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, n_loop=None, use_cache=True,
                         vocab_size_limit=None, caches=None, next_logits=None):
-        """Yield the sampled tokens (B, 1) one step at a time. With use_cache each step feeds only the newest token
-        and reads the earlier positions' keys and values from caches (new_caches' by default). Once the context
-        outgrows block_size the window slides, every position embedding shifts, and the cache is refilled from the
-        last block_size tokens: the output equals recomputing the cropped context at every step. vocab_size_limit
-        samples only ids below it (a tokenizer cannot decode the output layer's padding ids). next_logits(ids,
-        caches) -> the logits of the last position, in place of forward: how the lab's adaptive exit decodes."""
+        """Yield the sampled tokens (B, 1) one step at a time. With use_cache a step feeds the newest token only and
+        reads the rest from caches (new_caches'); past block_size the window slides and the cache refills, equal to
+        recomputing the cropped context. vocab_size_limit: ids below it only (no padding ids). next_logits(ids,
+        caches) -> the last position's logits in place of forward: how the lab's adaptive exit decodes."""
         caches = (caches or self.new_caches(n_loop)) if use_cache else None
         for _ in range(max_new_tokens):
             if caches and 0 < caches[0].past < self.config.block_size:
@@ -429,8 +405,7 @@ class GPT(nn.Module):
             yield idx_next
 
     def compile_blocks(self, **options):
-        """torch.compile every block and the loss in place: one Block graph serves every visit at any loop count, where
-        compiling forward whole would trace one graph per count (past dynamo's limit of 8, uncompiled)."""
+        """torch.compile every block and the loss in place: one Block graph serves every visit at any loop count."""
         for block in (*self.transformer.prelude, *self.transformer.h, *self.transformer.coda):
             block.compile(**options)
         self.loss = torch.compile(self.loss, **options)
