@@ -26,9 +26,8 @@ PRE_LN = ("preln", "preln_scaled")  # GPT-2's block x = x + f(Norm(x)); the othe
 OWN_EXPONENT = {"deeploop": 0.5, "deepnorm": 0.25}  # p of each scheme that has one
 CHOICES = dict(residual=RESIDUALS, norm=("layernorm", "rmsnorm"), position_encoding=("learned", "rope"),
                loop_input=("none", "add", "concat"))
-# The most loops a forward pass may run: a training step never ends early (on SIGTERM too), so it must end in bounded
-# time, whatever the typo (--n_loop=10**12). 1024 is 32 times Huginn's training mean of 32.
-MAX_LOOPS = 1024
+# The most loops a pass may run: a training step never ends early (SIGTERM too), so it must end whatever the typo
+MAX_LOOPS = 1024  # 32 times Huginn's training mean of 32
 
 
 def residual_coefficients(residual, unrolled_depth, exponent=0.0):
@@ -133,9 +132,8 @@ class GPTConfig:
     def coefficients(self):
         """(alpha, beta, epsilon) of the model, from the unrolled depth at coefficient_loops (or n_loop) loops."""
         loops = self.coefficient_loops or self.n_loop
-        alpha, beta = residual_coefficients(self.residual, self.depth(loops), self.residual_exponent)
-        return alpha, beta, branch_scale(self.residual, self.n_prelude + self.n_layer + self.n_coda, loops,
-                                         self.residual_lambda)
+        return (*residual_coefficients(self.residual, self.depth(loops), self.residual_exponent),
+                branch_scale(self.residual, self.depth(1), loops, self.residual_lambda))  # depth(1): distinct blocks
 
 
 def make_norm(config):
@@ -148,8 +146,7 @@ class KVCache:
     """The keys and values one unrolled visit has computed so far, in buffers of block_size that fill in place."""
 
     def __init__(self):
-        self.k = self.v = None  # (B, n_head, block_size, head_size) each, allocated at the first update
-        self.past = 0           # positions filled
+        self.k, self.v, self.past = None, None, 0  # k, v (B, n_head, block_size, head_size) at the first update
 
     def update(self, k, v, block_size):
         """Write the new positions' k and v after the past ones -> the keys and values of all positions so far."""
@@ -233,8 +230,7 @@ class Block(nn.Module):
         self.ln_2, self.mlp = make_norm(config), MLP(config)
         # the paper's block normalizes each branch's input too: identities but for their learned gains, at init
         branch_norm = config.norm_branch_input and not self.pre_ln
-        self.ln_attn_input = make_norm(config) if branch_norm else nn.Identity()
-        self.ln_mlp_input = make_norm(config) if branch_norm else nn.Identity()
+        self.ln_attn_input, self.ln_mlp_input = (make_norm(config) if branch_norm else nn.Identity() for _ in "am")
 
     def forward(self, x, cache=None):
         if self.pre_ln:
@@ -289,10 +285,9 @@ class GPT(nn.Module):
                     block.attn.c_attn.weight[2 * config.n_embd:] *= self.beta
                     for linear in (block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
                         linear.weight *= self.beta
-                elif config.residual == "preln":  # GPT-2's scaled init, over the unrolled depth
+                elif config.residual == "preln":  # GPT-2's scaled init over the unrolled depth (preln_scaled: epsilon)
                     for linear in (block.attn.c_proj, block.mlp.c_proj):
                         nn.init.normal_(linear.weight, std=0.02 / math.sqrt(2 * N))
-                # preln_scaled keeps std 0.02: epsilon carries the depth
             if config.loop_input == "concat":
                 nn.init.eye_(self.transformer.inject.adapter.weight)  # [I | 0]
 
@@ -339,16 +334,18 @@ class GPT(nn.Module):
         return self.output_layer(self.transformer.ln_f(x[:, -1:] if last_only else x))
 
     def output_layer(self, x):
-        """lm_head(x); without gradients, in float32 on a CPU, through a copy of the weight that oneDNN packs: F.linear
-        is far slower on few rows, a decode step's (docs/speed.md). A closure holds it: never saved or deep-copied."""
-        w = self.lm_head.weight if type(self.lm_head) is nn.Linear else None  # a swapped-in head computes its own way
-        if (w is None or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()
-                or not (x.is_cpu and x.dtype == w.dtype == torch.float32 and torch.backends.mkldnn.is_available())):
-            return self.lm_head(x)
-        if getattr(self, "packed_head", (None,))[0] != (key := (w.data_ptr(), w._version)):
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)  # laid out for 8 rows: the fastest from 1 to 2048
-            self.packed_head = key, lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        return self.packed_head[1](x)
+        """lm_head(x), or within a step of generate_stream its oneDNN-packed copy: F.linear is slow on few rows."""
+        packed = getattr(self, "packed_head", None)
+        return self.lm_head(x) if packed is None or torch.compiler.is_compiling() else packed(x)
+
+    def packed_output_layer(self):
+        """lm_head through a oneDNN-packed copy of its weight, for one generation; None but in CPU float32."""
+        w = self.lm_head.weight
+        if type(self.lm_head) is not nn.Linear or torch.is_autocast_enabled("cpu") or w.dtype != torch.float32 or \
+                not w.is_cpu or not torch.backends.mkldnn.is_available():
+            return None
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)  # laid out for 8 rows: the fastest from 1 to 2048
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
     def loss(self, logits, targets):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
@@ -372,8 +369,7 @@ class GPT(nn.Module):
         return logits, None if targets is None else self.loss(logits, targets)
 
     def new_caches(self, n_loop=None):
-        """An empty KV cache for forward, one KVCache per unrolled visit: each visit of a block sees another input, so
-        the memory grows with n_loop (the lab's kv_cache=last_loop shares one per block)."""
+        """An empty KV cache: a KVCache per unrolled visit, each seeing another input (last_loop: lab.decode)."""
         return [KVCache() for _ in range(self.config.depth(n_loop or self.config.n_loop))]
 
     def generate(self, idx, max_new_tokens, *args, **kwargs):
@@ -388,6 +384,7 @@ class GPT(nn.Module):
         recomputing the cropped context. vocab_size_limit: ids below it only (no padding ids). next_logits(ids,
         caches) -> the last position's logits in place of forward: how the lab's adaptive exit decodes."""
         caches = (caches or self.new_caches(n_loop)) if use_cache else None
+        packed = self.packed_output_layer()
         for _ in range(max_new_tokens):
             if caches and 0 < caches[0].past < self.config.block_size:
                 ids = idx[:, -1:]
@@ -395,7 +392,11 @@ class GPT(nn.Module):
                 for cache in caches or ():
                     cache.past = 0
                 ids = idx[:, -self.config.block_size:]
-            logits = next_logits(ids, caches) if next_logits else self(ids, None, n_loop, caches, last_only=True)[0]
+            self.packed_head = packed  # for this step only: no yield while it is set, so no training ever sees it
+            try:
+                logits = next_logits(ids, caches) if next_logits else self(ids, None, n_loop, caches, True)[0]
+            finally:
+                self.packed_head = None
             logits = logits[:, -1, :vocab_size_limit].float()  # the softmax in float32
             logits = (logits - logits.amax(-1, keepdim=True)) / temperature  # max at 0: no temperature overflows
             logits, top = torch.topk(logits, min(top_k, logits.size(-1))) if top_k is not None else (logits, None)
@@ -413,7 +414,7 @@ class GPT(nn.Module):
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW with weight decay on matrices only (not on biases and norm gains)."""
         params = [p for p in self.parameters() if p.requires_grad]
-        groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
-                  dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
+        groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay), dict(
+            params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
         fused = "fused" in inspect.signature(torch.optim.AdamW).parameters and device_type in ("cuda", "cpu")
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **(dict(fused=True) if fused else {}))
