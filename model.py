@@ -340,9 +340,9 @@ class GPT(nn.Module):
 
     def packed_output_layer(self):
         """lm_head through a oneDNN-packed copy of its weight, for one generation; None but in CPU float32."""
-        w = self.lm_head.weight
-        if type(self.lm_head) is not nn.Linear or torch.is_autocast_enabled("cpu") or w.dtype != torch.float32 or \
-                not w.is_cpu or not torch.backends.mkldnn.is_available():
+        w = self.lm_head.weight if type(self.lm_head) is nn.Linear else None  # a swapped-in head computes its own way
+        if w is None or torch.is_autocast_enabled("cpu") or w.dtype != torch.float32 or not w.is_cpu or \
+                not torch.backends.mkldnn.is_available():
             return None
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)  # laid out for 8 rows: the fastest from 1 to 2048
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
