@@ -66,7 +66,7 @@ from configurator import configure, die
 from lab import require
 from dataset import load_meta, read_shard
 from model import OWN_EXPONENT, RESIDUALS
-from lab.sweep_runs import Runs, mean_over_k, split_scheme
+from lab.sweep_runs import VARIANTS, Runs, mean_over_k, split_scheme, variant_settings
 from prepare_data import prepare_builtin_if_missing
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -140,19 +140,6 @@ BUDGETS = {
     "transfer on chains": dict(batch_size=32, max_iters=200, warmup_iters=50),  # 288 runs in 30.6 min
     "budget": dict(eval_iters=50),  # 25,600 val bytes: the gaps it compares are a few hundredths of a nat
 }
-# Model variants a scheme can run in, as `--schemes=deeploop+concat`, and together, as `deeploop+add+curriculum`: the
-# designs of the recurrent-depth models (model.LoopInput; Huginn's prelude / core / coda), the DeepLoop paper's
-# backbone, and the training levers tried on looped Post-LN blocks (the last two on the depth task's 1,500 steps)
-VARIANTS = {
-    "add": dict(loop_input="add"),
-    "concat": dict(loop_input="concat"),
-    "121": dict(n_prelude=1, n_coda=1),  # 1 prelude block, the core of n_layer looped, 1 coda block
-    "huginn": dict(n_prelude=1, n_coda=1, loop_input="concat"),
-    "paper": dict(norm="rmsnorm", position_encoding="rope", norm_branch_input=True),  # RMSNorm(a x + f(RMSNorm(x)))
-    "relative": dict(chain_pointers="relative"),  # pointers RoPE can see (tasks.py)
-    "curriculum": dict(chain_curriculum=750),  # chains grow from 1 pointer to chain_hops over half the run
-    "warmup": dict(warmup_iters=500),  # five times the depth task's warmup
-}
 INJECTED = ("add", "concat")  # variants that differ from the scheme alone only from the second loop on
 ON_CHAINS_ONLY = ("relative", "curriculum")
 MODEL_AND_BUDGET = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "max_iters", "warmup_iters",
@@ -191,11 +178,6 @@ def number_list(name, kind):
     except ValueError:
         die(f"{name} must be comma-separated {kind.__name__}s like {MODES['loops'].get(name, MODES[grid_name][name])}, "
             f"got {text!r}")
-
-
-def variant_settings(scheme):
-    """The train.py settings of a scheme's variants, the later ones winning."""
-    return {k: v for variant in split_scheme(scheme)[1] for k, v in VARIANTS[variant].items()}
 
 
 scheme_list = str(schemes or MODES[grid_name]["schemes"]).split(",")

@@ -45,10 +45,30 @@ RECORD = dict(name=str, scheme=str, n_loop=int, exponent=(int, float), lr=(int, 
 STUDY_FILE = "name the file a budget study wrote, e.g. docs/runs/budget_study_runs.jsonl"
 
 
+# Model variants a scheme can run in, as `--schemes=deeploop+concat`, and together, as `deeploop+add+curriculum`: the
+# designs of the recurrent-depth models (model.LoopInput; Huginn's prelude / core / coda), the DeepLoop paper's
+# backbone, and the training levers tried on looped Post-LN blocks (the last two on the depth task's 1,500 steps)
+VARIANTS = {
+    "add": dict(loop_input="add"),
+    "concat": dict(loop_input="concat"),
+    "121": dict(n_prelude=1, n_coda=1),  # 1 prelude block, the core of n_layer looped, 1 coda block
+    "huginn": dict(n_prelude=1, n_coda=1, loop_input="concat"),
+    "paper": dict(norm="rmsnorm", position_encoding="rope", norm_branch_input=True),  # RMSNorm(a x + f(RMSNorm(x)))
+    "relative": dict(chain_pointers="relative"),  # pointers RoPE can see (tasks.py)
+    "curriculum": dict(chain_curriculum=750),  # chains grow from 1 pointer to chain_hops over half the run
+    "warmup": dict(warmup_iters=500),  # five times the depth task's warmup
+}
+
+
 def split_scheme(scheme):
     """'deeploop+add+curriculum' -> ('deeploop', ['add', 'curriculum']): a residual scheme, and its variants."""
     residual, *variants = scheme.split("+")
     return residual, variants
+
+
+def variant_settings(scheme):
+    """The train.py settings of a scheme's variants, the later ones winning."""
+    return {k: v for variant in split_scheme(scheme)[1] for k, v in VARIANTS[variant].items()}
 
 
 def run_name(scheme, n_loop, exponent, lr, seed, steps=None):
