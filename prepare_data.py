@@ -4,6 +4,7 @@ Turn a text corpus into a dataset folder of flat token shards for train.py (data
     python prepare_data.py builtin                       # -> data/builtin        (GPT-2 tokens, offline, ~0.7M tokens)
     python prepare_data.py builtin --tokenizer=bytes     # -> data/builtin_bytes  (UTF-8 bytes, offline)
     python prepare_data.py stdlib --tokenizer=bytes      # -> data/stdlib_bytes   (~31M bytes of Python, offline)
+    python prepare_data.py stdlib --tokenizer=bytes --test_share=0.5 --name=stdlib_bytes_heldout   # half of val as test
     python prepare_data.py openwebtext                   # -> data/openwebtext    (~9B tokens, downloads file by file)
     python prepare_data.py fineweb_edu                   # -> data/fineweb_edu    (sample-10BT: ~10B tokens)
     python prepare_data.py fineweb_edu --max_tokens=200000000   # a 200M-token cut: downloads only what it needs
@@ -27,9 +28,11 @@ one document), .jsonl (one document per line, its "text" field), .parquet (its "
 Empty documents are dropped.
 
 Split and shards (the format is in dataset.py). A document goes to val when a hash of (seed, its index in the corpus)
-falls below val_fraction, so the split is fixed by the seed alone. The corpus is cut into chunks at the first document
-boundary where one split has shard_size tokens; a chunk is one shard per split that has tokens in it (train_<k>.bin,
-val_<k>.bin), each written to a temporary name and renamed once complete.
+falls below val_fraction, so the split is fixed by the seed alone. With --test_share=s, a second hash sends a share s
+of the val documents to a test split instead (test_<k>.bin), for numbers that no choice was made on; train is the same
+as without it. meta.json records each split's SHA-256 (of its tokens, shard after shard). The corpus is cut into
+chunks at the first document boundary where one split has shard_size tokens; a chunk is one shard per split that has
+tokens in it (train_<k>.bin, val_<k>.bin), each written to a temporary name and renamed once complete.
 
 Resume: after each chunk, progress.json records the shards written and where in the corpus the next chunk starts
 (source file, document); meta.json replaces it at the end. Rerun with the same arguments, an interrupted run keeps
@@ -305,10 +308,31 @@ def write_shard(path, pieces):
     os.replace(path + ".tmp", path)
 
 
-def is_val(doc_index, seed, val_fraction):
-    """The split of a document: a hash of (seed, its index), so no RNG state runs through the corpus."""
-    h = hashlib.blake2b(f"{seed}:{doc_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") < val_fraction * 2**64
+def hashed_below(key, fraction):
+    h = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") < fraction * 2**64
+
+
+def split_of(doc_index, seed, val_fraction, test_share):
+    """The split of a document: a hash of (seed, its index), so no RNG state runs through the corpus; of val's
+    documents, another hash holds test_share out as test, leaving train as it is without a test split."""
+    if not hashed_below(f"{seed}:{doc_index}", val_fraction):
+        return "train"
+    return "test" if test_share and hashed_below(f"test:{seed}:{doc_index}", test_share) else "val"
+
+
+def split_sha256(out_dir, shards):
+    """{split: SHA-256 of its tokens, shard after shard}: what identifies a split, whatever its shard size."""
+    hashes = {}
+    for split, files in shards.items():
+        h = hashlib.sha256()
+        for shard in files:
+            with open(os.path.join(out_dir, shard["file"]), "rb") as f:
+                f.seek(HEADER_BYTES)
+                while block := f.read(1 << 24):
+                    h.update(block)
+        hashes[split] = h.hexdigest()
+    return hashes
 
 
 def documents_from(parts, start):
@@ -344,11 +368,14 @@ def batches(documents, max_documents, tokens_left):
         yield batch
 
 
-def make_settings(source, files, subset, enc, val_fraction, seed, shard_size, max_documents=None, max_tokens=None):
-    """What defines a dataset folder: a rerun with other settings must not mix with what is there."""
-    return dict(source=source, files=files, subset=subset, tokenizer=enc.name, vocab_size=enc.n_vocab,
-                eot_token=enc.eot_token, val_fraction=val_fraction, seed=seed, shard_size=shard_size,
-                max_documents=max_documents, max_tokens=max_tokens)
+def make_settings(source, files, subset, enc, val_fraction, seed, shard_size, max_documents=None, max_tokens=None,
+                  test_share=None):
+    """What defines a dataset folder: a rerun with other settings must not mix with what is there. test_share is
+    recorded only where given, so that folders prepared before it existed keep their settings."""
+    settings = dict(source=source, files=files, subset=subset, tokenizer=enc.name, vocab_size=enc.n_vocab,
+                    eot_token=enc.eot_token, val_fraction=val_fraction, seed=seed, shard_size=shard_size,
+                    max_documents=max_documents, max_tokens=max_tokens)
+    return dict(settings, test_share=test_share) if test_share else settings
 
 
 def new_state(settings, parts):
@@ -384,7 +411,7 @@ def tokenize_into(out_dir, parts, enc, state, num_threads=None, quiet=False):
         encoded = enc.encode_ordinary_batch([text for _, text in batch], num_threads=num_threads)
         for (position, _), tokens in zip(batch, encoded):
             tokens.append(enc.eot_token)
-            split = "val" if is_val(n_docs, cfg["seed"], cfg["val_fraction"]) else "train"
+            split = split_of(n_docs, cfg["seed"], cfg["val_fraction"], cfg.get("test_share"))
             chunk[split].append(np.array(tokens, dtype="<u2"))
             chunk_tokens[split] += len(tokens)
             n_docs, n_tokens = n_docs + 1, n_tokens + len(tokens)
@@ -405,14 +432,16 @@ def tokenize_into(out_dir, parts, enc, state, num_threads=None, quiet=False):
         die(f"no documents in {', '.join(state['parts'])}: every document is empty; check the files")
     write_chunk([len(parts), 0])
     meta = dict(cfg, format=FORMAT, version=VERSION, header_bytes=HEADER_BYTES, dtype="uint16",
-                documents=state["documents"], tokens=state["tokens"], shards=state["shards"])
+                documents=state["documents"], tokens=state["tokens"], shards=state["shards"],
+                split_sha256=split_sha256(out_dir, state["shards"]))
     write_json(os.path.join(out_dir, "meta.json"), meta)
     os.remove(progress_path)
     return meta
 
 
 def prepare(source="builtin", tokenizer="gpt2", out_dir=None, name=None, subset=None, val_fraction=None, seed=1337,
-            shard_size=100_000_000, max_documents=None, max_tokens=None, num_threads=None, quiet=False):
+            shard_size=100_000_000, max_documents=None, max_tokens=None, num_threads=None, quiet=False,
+            test_share=None):
     """Prepare `source` ('builtin', 'openwebtext', 'fineweb_edu', or a list of .txt/.jsonl/.parquet paths and globs)
     into out_dir (default data/<name>) and return out_dir. Does nothing when the folder already holds this dataset,
     resumes an interrupted run with the same arguments, and stops with a one-line error (exit code 2) on bad input."""
@@ -436,13 +465,17 @@ def prepare(source="builtin", tokenizer="gpt2", out_dir=None, name=None, subset=
     val_fraction = DEFAULT_VAL_FRACTION.get(kind, 0.1) if val_fraction is None else float(val_fraction)
     if not 0 <= val_fraction < 1:
         die(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if test_share is not None and not (0 < test_share < 1 and val_fraction > 0):
+        die(f"test_share is the share of val's documents held out as test: it must be in (0, 1) with a val_fraction "
+            f"above 0, got test_share={test_share} and val_fraction={val_fraction}")
     for key, value in dict(shard_size=shard_size, max_documents=max_documents, max_tokens=max_tokens).items():
         if value is not None and (not isinstance(value, int) or value < 1):
             die(f"{key} must be a positive integer, got {value!r}")
     if out_dir is None:
         default = kind if kind != "files" else os.path.splitext(os.path.basename(files[0]))[0]
         out_dir = os.path.join("data", name or default + ("_bytes" if tokenizer == "bytes" else ""))
-    settings = make_settings(kind, files, subset, enc, val_fraction, seed, shard_size, max_documents, max_tokens)
+    settings = make_settings(kind, files, subset, enc, val_fraction, seed, shard_size, max_documents, max_tokens,
+                             test_share)
     if kind == "stdlib":
         stdlib, info = stdlib_parts()
         settings.update(info)
@@ -490,13 +523,17 @@ def prepare(source="builtin", tokenizer="gpt2", out_dir=None, name=None, subset=
     else:
         if state["parts"] != [label for label, _ in parts]:
             die(f"the source files changed since the unfinished run in {out_dir}: delete the folder and start again")
+        for counts, empty in (("documents", 0), ("tokens", 0), ("shards", [])):  # begun before test splits existed
+            state[counts].setdefault("test", empty)
         log(f"resuming {out_dir}: {sum(len(s) for s in state['shards'].values())} finished shards kept")
     meta = tokenize_into(out_dir, parts, enc, state, num_threads, quiet)
-    for split in SPLITS:
+    for split in SPLITS[:2] + (("test",) if test_share else ()):
         log(f"{out_dir} {split}: {meta['documents'][split]:,} documents, {meta['tokens'][split]:,} tokens "
             f"in {len(meta['shards'][split])} shard(s)")
     if meta["tokens"]["val"] == 0 and val_fraction > 0:
         print(f"warning: no document fell into val; raise --val_fraction (now {val_fraction})", file=sys.stderr)
+    if test_share and meta["tokens"]["test"] == 0:
+        print(f"warning: no document fell into test; raise --test_share (now {test_share})", file=sys.stderr)
     return out_dir
 
 
@@ -552,6 +589,8 @@ def main(argv=None):
     where.add_argument("--out", help="output folder, exactly")
     p.add_argument("--subset", help=f"fineweb_edu's subset: {', '.join(FINEWEB_EDU_SUBSETS)} (default the first)")
     p.add_argument("--val_fraction", type=float, help="share of documents in val (0.0005 for openwebtext, else 0.1)")
+    p.add_argument("--test_share", type=float, help="share of val's documents held out as a test split (train "
+                                                     "unchanged); default none")
     p.add_argument("--seed", type=int, default=1337, help="seed of the train/val split")
     p.add_argument("--shard_size", type=int, default=100_000_000, help="tokens per shard file (about)")
     p.add_argument("--max_documents", type=int, help="stop after this many documents")
@@ -565,7 +604,8 @@ def main(argv=None):
         return bench(args.tokenizer, args.num_threads)
     prepare(args.source, tokenizer=args.tokenizer, out_dir=args.out, name=args.name, subset=args.subset,
             val_fraction=args.val_fraction, seed=args.seed, shard_size=args.shard_size,
-            max_documents=args.max_documents, max_tokens=args.max_tokens, num_threads=args.num_threads)
+            max_documents=args.max_documents, max_tokens=args.max_tokens, num_threads=args.num_threads,
+            test_share=args.test_share)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import prepare_data
-from dataset import get_tokenizer, load_meta, read_shard
+from dataset import TokenWindows, get_tokenizer, load_meta, read_shard
 from hub_server import CurrentStderr, Hub
 from prepare_data import prepare
 
@@ -107,13 +107,36 @@ def test_local_files_counts_split_and_meta(tmp_path, corpus):
     assert len(train) == meta["documents"]["train"] and len(val) == meta["documents"]["val"] > 0
     # every document in exactly one split, in corpus order, by the per-document rule
     assert sorted(train + val) == sorted(encoded)
-    assert val == [e for i, e in enumerate(encoded) if prepare_data.is_val(i, 7, 0.3)]
-    assert train == [e for i, e in enumerate(encoded) if not prepare_data.is_val(i, 7, 0.3)]
+    assert val == [e for i, e in enumerate(encoded) if prepare_data.split_of(i, 7, 0.3, None) == "val"]
+    assert train == [e for i, e in enumerate(encoded) if prepare_data.split_of(i, 7, 0.3, None) == "train"]
     # deterministic: the same again, whatever the shard size; another seed splits differently
     again = prepare(sources, out_dir=str(tmp_path / "e"), val_fraction=0.3, seed=7, shard_size=50, quiet=True)
     assert split_documents(again, "train", 50256) == train and len(load_meta(again)["shards"]["train"]) > 3
     other = prepare(sources, out_dir=str(tmp_path / "f"), val_fraction=0.3, seed=8, quiet=True)
     assert split_documents(other, "val", 50256) != val
+
+
+def test_test_share_holds_out_part_of_val_and_leaves_train_alone(tmp_path, corpus, capsys):
+    sources, docs = corpus
+    plain = prepare(sources, out_dir=str(tmp_path / "plain"), val_fraction=0.5, seed=7, quiet=True)
+    held = prepare(sources, out_dir=str(tmp_path / "held"), val_fraction=0.5, seed=7, test_share=0.5, shard_size=40,
+                   quiet=True)
+    meta = load_meta(held)
+    train, val, test = (split_documents(held, s, 50256) for s in ("train", "val", "test"))
+    assert train == split_documents(plain, "train", 50256)  # the same training text, document for document
+    assert len(val) > 0 and len(test) > 0 and meta["test_share"] == 0.5 and "test_share" not in load_meta(plain)
+    assert not set(test) & set(val) and not set(test) & set(train)  # the 40 documents are distinct
+    assert sorted(val + test) == sorted(split_documents(plain, "val", 50256))
+    # each split's hash is that of its tokens, whatever the shard size: the same train hash as the plain folder's
+    for split in ("train", "val", "test"):
+        tokens = b"".join(read_shard(os.path.join(held, s["file"])).tobytes() for s in meta["shards"][split])
+        assert meta["split_sha256"][split] == hashlib.sha256(tokens).hexdigest()
+    assert meta["split_sha256"]["train"] == load_meta(plain)["split_sha256"]["train"]
+    assert load_meta(plain)["tokens"]["test"] == 0 and TokenWindows(held, "test", 4).tokens == meta["tokens"]["test"]
+    # a test share is a share of val, so it needs one
+    with pytest.raises(SystemExit):
+        prepare(sources, out_dir=str(tmp_path / "none"), val_fraction=0.0, test_share=0.5, quiet=True)
+    assert "test_share is the share of val's documents" in capsys.readouterr().err
 
 
 def test_bytes_prepare_round_trip(tmp_path, corpus):
