@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 from configurator import die
 from guard import STOPPED
@@ -129,7 +130,7 @@ class Runs:
 
     def __init__(self, out_dir, mode, on_chains, dataset, mode_budget, depth_config, variant_settings, loop_list,
                  checkpoint_minutes, n_layer, n_head, n_embd, block_size, batch_size, max_iters, warmup_iters,
-                 eval_iters, defaults=None):
+                 eval_iters, defaults=None, stop_with=None):
         self.out_dir, self.mode, self.on_chains, self.dataset = out_dir, mode, on_chains, dataset
         self.mode_budget, self.depth_config, self.variant_settings = mode_budget, depth_config, variant_settings
         self.loop_list, self.checkpoint_minutes = loop_list, checkpoint_minutes
@@ -141,10 +142,11 @@ class Runs:
         # the depth task's config file, as its runs get it beneath their own settings
         self.depth_settings = {k: v for k, v in runpy.run_path(depth_config).items() if not k.startswith("_")
                                and isinstance(v, (int, float, str))} if on_chains else {}
-        # how the sweep stops: signum, a signal it got (at signal_time); failed, a run that stopped it; the train.py
-        # processes under way, to pass a signal on to
-        self.signum, self.signal_time, self.failed, self.procs, self.lock = 0, 0.0, False, set(), threading.Lock()
-        self.handlers = {}  # the signal handlers that catch_signals replaced
+        # how the sweep stops: signum, a signal it got (at signal_time); failed, a run that stopped it; procs, the
+        # train.py processes under way, to pass a signal on to; handlers, those that catch_signals replaced. stop_with:
+        # another Runs whose stop this one shares (the cells of one study, each with its own model, stop together)
+        self.stop = stop_with.stop if stop_with else SimpleNamespace(
+            signum=0, signal_time=0.0, failed=False, procs=set(), lock=threading.Lock(), handlers={})
 
     def args(self, scheme, n_loop, exponent, lr, seed, steps=None):
         """The train.py command line of a run (of steps steps, default max_iters) -> (command, its --key=value
@@ -216,10 +218,11 @@ class Runs:
                       f"of the runs in {self.out_dir}, or choose another --out_dir")
         return result
 
-    def import_results(self, path):
-        """The runs of a runs.jsonl that a budget study wrote, as done here (a run of this out_dir's own is kept) ->
-        (how many were taken, how many there were). Every line is checked before any is taken: each must be a run's
-        record, named as its run is, made with this sweep's settings; one line and exit 2 where one is not."""
+    def import_results(self, path, cell=None):
+        """The runs of a runs.jsonl that a study wrote, as done here (a run of this out_dir's own is kept) -> (how many
+        were taken, how many there were). Every line is checked before any is taken: each must be a run's record,
+        named as its run is, made with this sweep's settings; one line and exit 2 where one is not. cell: only the
+        lines whose "cell" is this (lab.sweep_phi's runs.jsonl holds the runs of several shapes)."""
         try:
             with open(path) as f:
                 lines = f.read().splitlines()
@@ -235,6 +238,8 @@ class Runs:
                 die(f"--results_from={path}, line {number}: not JSON ({e.msg} at column {e.colno}): {STUDY_FILE}")
             if why := bad_record(run, steps=True):
                 die(f"--results_from={path}, line {number}: {why}: {STUDY_FILE}")
+            if run.get("cell") != cell:
+                continue
             job = (run["scheme"], run["n_loop"], run["exponent"], run["lr"], run["seed"], run["steps"])
             # the name is the run's folder, in out_dir/runs and nowhere else
             if run["name"] != run_name(*job) or os.path.basename(run["name"]) != run["name"]:
@@ -314,60 +319,62 @@ class Runs:
 
     @property
     def stopping(self):
-        return bool(self.signum or self.failed)
+        return bool(self.stop.signum or self.stop.failed)
 
     def run(self, cmd, env):
         """cmd in a subprocess -> (its exit code, its stderr), the signals that stop the sweep passed on to it."""
-        with self.lock:
+        with self.stop.lock:
             if self.stopping:
-                return -self.signum or -signal.SIGTERM, ""
+                return -self.stop.signum or -signal.SIGTERM, ""
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-            self.procs.add(proc)
+            self.stop.procs.add(proc)
         if self.stopping:  # a signal that came while it started, which on_signal may not have passed on
-            proc.send_signal(self.signum or signal.SIGTERM)
+            proc.send_signal(self.stop.signum or signal.SIGTERM)
         try:
             _, stderr = proc.communicate()
         finally:
-            with self.lock:
-                self.procs.discard(proc)
+            with self.stop.lock:
+                self.stop.procs.discard(proc)
         return proc.returncode, stderr
 
     def pass_on(self, signum):
-        for proc in list(self.procs):
+        for proc in list(self.stop.procs):
             proc.send_signal(signum)  # nothing, once the process has ended
 
     def catch_signals(self):
         """From here to end_if_stopped SIGTERM and SIGINT stop the sweep as the module's docstring says (in the main
         thread)."""
-        self.handlers = {signum: signal.signal(signum, self.on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
+        self.stop.handlers = {signum: signal.signal(signum, self.on_signal)
+                              for signum in (signal.SIGTERM, signal.SIGINT)}
 
     def on_signal(self, signum, frame):
-        if self.signum and time.monotonic() - self.signal_time >= 1:  # a second signal: everything ends at once
+        if self.stop.signum and time.monotonic() - self.stop.signal_time >= 1:  # a second: everything ends at once
             self.pass_on(signum)
             os.write(2, f"\nstopped by {signal.Signals(signum).name} without waiting for the runs (a second "
                         f"signal)\n".encode())
             os._exit(128 + signum)
-        if not self.signum:  # a repeat within a second (Ctrl-C reaches every process of the terminal) is the same
-            self.signum, self.signal_time = signum, time.monotonic()
+        if not self.stop.signum:  # a repeat within a second (Ctrl-C reaches every process of a terminal) is the same
+            self.stop.signum, self.stop.signal_time = signum, time.monotonic()
             self.pass_on(signum)
 
     def fail(self, message):
         """Stop the sweep with message, one line however many runs fail at once; the runs under way stop with their
         checkpoints (SIGTERM), so that the next start resumes them."""
-        with self.lock:
-            first, self.failed = not self.failed, True
+        with self.stop.lock:
+            first, self.stop.failed = not self.stop.failed, True
         self.pass_on(signal.SIGTERM)
         if first:
             die(message)
         sys.exit(2)
 
-    def end_if_stopped(self):
-        """Once the runs under way have stopped: the line that says how to resume, and exit code 75. Else the signals
-        stop the sweep at once again: what is left (the tables) has nothing to save."""
-        for signum, handler in self.handlers.items():
+    def end_if_stopped(self, program="lab.sweep"):
+        """Once the runs under way have stopped: the line that says how to resume (python -m program, with this
+        command's arguments), and exit code 75. Else the signals stop the sweep at once again: what is left (the
+        tables) has nothing to save."""
+        for signum, handler in self.stop.handlers.items():
             signal.signal(signum, handler)
-        if self.signum:
-            print(f"stopped; resume with: python -m lab.sweep {shlex.join(sys.argv[1:])}", flush=True)
+        if self.stop.signum:
+            print(f"stopped; resume with: python -m {program} {shlex.join(sys.argv[1:])}", flush=True)
             sys.exit(STOPPED)
 
     def depth_result(self, run_dir, records, final):
