@@ -1,0 +1,90 @@
+"""lab.sweep_phi on made-up runs (a run whose folder holds result.json is not trained again, so these tests train
+nothing): its rate walks, the phi table and its differences against hand values, and going on elsewhere from its
+runs.jsonl."""
+
+import json
+
+from scripts import run_script
+
+ARGS = ["--widths=32,64", "--learning_rates=1e-3,3e-3,1e-2", "--start_rate=3e-3", "--seeds=0,1,2", "--walk_seeds=0,1",
+        "--max_iters=100", "--report_only=True"]
+SHAPES = {"2x1": (2, 1), "2x3": (2, 3), "6x1": (6, 1)}
+# made-up phi by (width, scheme) and seed: Pre-LN 0.4 / 0.5 / 0.6 at both widths, DeepLoop 0.3 / 0.2 / 0.3 above it
+# at width 32 and 0.4 / 0.4 / 0.3 above it at width 64
+PHI = {(32, "preln+paper"): (0.4, 0.5, 0.6), (32, "deeploop+paper"): (0.7, 0.7, 0.9),
+       (64, "preln+paper"): (0.4, 0.5, 0.6), (64, "deeploop+paper"): (0.8, 0.9, 0.9)}
+
+
+def write_run(out, width, shape, scheme, lr, seed, val_loss, test_loss):
+    name = f"{scheme}_R{SHAPES[shape][1]}_p0_lr{lr:g}_seed{seed}_it100"
+    run_dir = out / f"w{width}_{shape}" / "runs" / name
+    run_dir.mkdir(parents=True)
+    result = dict(name=name, scheme=scheme, n_loop=SHAPES[shape][1], exponent=0.0, lr=lr, seed=seed, steps=100,
+                  seconds=2.0, val_loss=val_loss, test_loss=test_loss, test_tokens=1000)
+    (run_dir / "result.json").write_text(json.dumps(result))
+
+
+def made_up_study(out, skip=()):
+    """Every run the walks ask for: val loss 1.0 + 0.1 per grid step from the best rate, 3e-3 (1e-2 at 6x1 of width
+    64, whose walk moves there and on past the grid's edge, to 3e-2, which is worse); test losses that give PHI."""
+    steps = [1e-3, 3e-3, 1e-2, 3e-2]
+    for (width, scheme), phis in PHI.items():
+        for shape in SHAPES:
+            best = 1e-2 if (width, shape) == (64, "6x1") else 3e-3
+            for lr in steps[:4 if best == 1e-2 else 3]:
+                val = 1.0 + 0.1 * abs(steps.index(lr) - steps.index(best))
+                for seed in (0, 1, 2):
+                    if seed == 2 and lr != best or (width, shape, scheme, lr, seed) in skip:
+                        continue
+                    test = {"2x1": 2.0, "6x1": 1.8, "2x3": 2.0 - 0.2 * phis[seed]}[shape]
+                    write_run(out, width, shape, scheme, lr, seed, val + 0.01 * seed, test)
+
+
+def test_phi_table_its_differences_and_the_walks_against_hand_values(tmp_path):
+    out = tmp_path / "phi"
+    made_up_study(out)
+    r = run_script("lab/sweep_phi.py", f"--out_dir={out}", *ARGS)
+    assert r.returncode == 0, r.stderr
+    assert " s)\n" not in r.stdout  # nothing trained
+    table = (out / "results.md").read_text()
+    # the walks: 3e-3 wins among its neighbours, except at 6x1 of width 64, which walks to 1e-2 and one step past
+    assert "| 32 | 2x3 | preln+paper | 0.001: 1.1050; 0.003: 1.0050; 0.01: 1.1050 | **0.003** |" in table
+    assert "| 64 | 6x1 | deeploop+paper | 0.001: 1.2050; 0.003: 1.1050; 0.01: 1.0050; 0.03: 1.1050 | **0.01** |" \
+        in table
+    # phi per seed and its t-interval: 0.4, 0.5, 0.6 has mean 0.5, s.e. 0.0577, t(2) 4.303: half-width 0.248
+    assert "| 32 | preln+paper | 0.400, 0.500, 0.600 | 0.500 ± 0.248 (3, p 0.013) | 3.46 |" in table
+    # DeepLoop minus Pre-LN, paired: 0.3, 0.2, 0.3 -> 0.267 ± 0.143; at width 64: 0.4, 0.4, 0.3 -> 0.367 ± 0.143
+    assert "| 32 | +0.267 ± 0.143 (3, p 0.015) |" in table
+    assert "| 64 | +0.367 ± 0.143 (3, p 0.0082) |" in table
+    # the change with width, paired by seed: 0.1, 0.2, 0.0 -> 0.100 ± 0.248
+    assert "Change of the difference from width 32 to 64 (paired by seed): +0.100 ± 0.248 (3, p 0.23)." in table
+    assert (out / "phi.png").stat().st_size > 10000
+    # the study goes on elsewhere from its runs.jsonl: the same tables
+    runs_file = out / "runs.jsonl"
+    assert len(runs_file.read_text().splitlines()) == 4 * 3 * 7 + 2 * 2  # 7 runs a cell, 2 more where a walk moved
+    elsewhere = tmp_path / "elsewhere"
+    r = run_script("lab/sweep_phi.py", f"--out_dir={elsewhere}", f"--results_from={runs_file}", *ARGS)
+    assert r.returncode == 0, r.stderr
+    assert (elsewhere / "results.md").read_text().split("## The rate walks")[1].split("| machines |")[0] == \
+        table.split("## The rate walks")[1].split("| machines |")[0]
+
+
+def test_a_walk_waits_for_its_runs_and_a_wider_walk_for_the_narrower_one(tmp_path):
+    out = tmp_path / "phi"
+    made_up_study(out, skip={(32, "2x3", "preln+paper", 1e-2, 1)})
+    r = run_script("lab/sweep_phi.py", f"--out_dir={out}", *ARGS)
+    assert r.returncode == 0, r.stderr
+    table = (out / "results.md").read_text()
+    assert "| 32 | 2x3 | preln+paper | 0.001: 1.1050; 0.003: 1.0050; 0.01: 1.1000 (part) | walking |" in table
+    assert "| 64 | 2x3 | preln+paper |" not in table  # it starts where width 32's walk ends
+    assert "| 32 | preln+paper | 2.0000 ± 0.0000 (3) | — | 1.8000 ± 0.0000 (3) |" in table
+    assert "| 32 | preln+paper | — | — | — |" in table  # no phi without the looped shape
+
+
+def test_bad_settings_are_one_line_errors(tmp_path):
+    for args, message in ((["--shapes=2x1,2x3"], "shapes must be 2x1,2x3,6x1 (phi needs all three)"),
+                          (["--walk_seeds=5"], "walk_seeds must be among seeds=0,1,2"),
+                          (["--start_rate=5e-3"], "start_rate must be one of learning_rates"),
+                          (["--widths=40"], "every width must be a multiple of head_size=16")):
+        r = run_script("lab/sweep_phi.py", f"--out_dir={tmp_path}", *args)
+        assert r.returncode == 2 and r.stderr.startswith(f"error: {message}") and r.stderr.count("\n") == 1, r.stderr
