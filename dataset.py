@@ -199,7 +199,7 @@ class TokenWindows:
         if not self.files:
             raise ValueError(f"the {split} split of {data_dir} has no shard of block_size + 1 = {block_size + 1} "
                              f"tokens ({self.tokens} tokens in all): use a smaller block_size, or prepare more text "
-                             f"(or a larger --val_fraction)")
+                             f"(or a larger {'--test_share' if split == 'test' else '--val_fraction'})")
         # window starts numbered across shards, drawn uniformly: each shard in proportion to its size
         self.ends = np.cumsum(starts)
         self.firsts = self.ends - np.array(starts)

@@ -102,8 +102,10 @@ def test_damaged_datasets(tmp_path, corpus):
     assert prepare_command("data/fineweb_edu") == "python prepare_data.py fineweb_edu"
     with pytest.raises(ValueError, match="the train split of .* no shard of block_size"):
         TokenWindows(good, "train", 10**6, 0)
-    with pytest.raises(ValueError, match="unknown split 'test': use train or val"):
-        TokenWindows(good, "test", 8, 0)
+    with pytest.raises(ValueError, match="unknown split 'dev': use train, val, test$"):
+        TokenWindows(good, "dev", 8, 0)
+    with pytest.raises(ValueError, match="the test split of .* \\(0 tokens in all\\).* a larger --test_share\\)$"):
+        TokenWindows(good, "test", 8, 0)  # prepared without --test_share
     for damage, words in [("magic", "wrong magic number"), ("truncate", "truncated")]:
         bad = shutil.copytree(good, tmp_path / damage)
         shard = os.path.join(bad, "train_000000.bin")

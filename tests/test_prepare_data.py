@@ -146,7 +146,7 @@ def test_bytes_prepare_round_trip(tmp_path, corpus):
     assert (meta["tokenizer"], meta["vocab_size"], meta["eot_token"]) == ("bytes", 257, 256)
     train = split_documents(out, "train", 256)
     assert [bytes(d).decode("utf-8") for d in train] == docs[4:20]
-    assert meta["tokens"] == {"train": sum(len(d.encode()) + 1 for d in docs[4:20]), "val": 0}
+    assert meta["tokens"] == {"train": sum(len(d.encode()) + 1 for d in docs[4:20]), "val": 0, "test": 0}
     # a lone surrogate, valid in JSON but with no UTF-8 form, becomes U+FFFD, as with the gpt2 tokenizer
     (tmp_path / "lone.jsonl").write_text('{"text": "a\\ud800b"}\n')
     out = prepare([str(tmp_path / "lone.jsonl")], tokenizer="bytes", out_dir=str(tmp_path / "lone"), val_fraction=0.0,
