@@ -316,10 +316,15 @@ for (width, scheme), by_seed in phis.items():
                  f"| {f'{2 * 3 ** stat[0]:.2f}' if stat and abs(stat[0]) < 3 else '—'} | {fmt(depth_gain)} |")
 if len(scheme_list) == 2:
     other, base = scheme_list[1], scheme_list[0]
-    lines += ["", f"## {other} minus {base}", "", "| width | phi difference (paired by seed) |", "|---|---|"]
+    lines += ["", f"## {other} minus {base}", "", "Paired by seed: test loss at each shape, and phi.", "",
+              "| width | " + " | ".join(SHAPES_NEEDED) + " | phi |", "|---|" + "---|" * 4]
     diffs = {width: {seed: phis[width, other][seed] - phis[width, base][seed] for seed in phis[width, other]
                      if seed in phis[width, base]} for width in width_list}
-    lines += [f"| {width} | {fmt(t_interval(list(d.values())))} |" for width, d in diffs.items()]
+    for width, d in diffs.items():
+        shape_gaps = [paired(seed_losses(width, shape, other), seed_losses(width, shape, base))
+                      for shape in SHAPES_NEEDED]
+        lines.append(f"| {width} | " + " | ".join(fmt(gap) for gap in shape_gaps)
+                     + f" | {fmt(t_interval(list(d.values())))} |")
     if len(width_list) == 2:
         lines += ["", f"Change of the difference from width {width_list[0]} to {width_list[1]} (paired by seed): "
                       f"{fmt(paired(diffs[width_list[1]], diffs[width_list[0]]))}."]
