@@ -314,6 +314,21 @@ for (width, scheme), by_seed in phis.items():
                                          for seed in seed_list) if not math.isnan(d)])
     lines.append(f"| {width} | {scheme} | {', '.join(f'{v:.3f}' for v in by_seed.values()) or '—'} | {fmt_phi(stat)} "
                  f"| {f'{2 * 3 ** stat[0]:.2f}' if stat and abs(stat[0]) < 3 else '—'} | {fmt(depth_gain)} |")
+lines += ["", "phi with the looped model one rate step off its walk's rate (2x1 and 6x1 at theirs; the walk seeds, by "
+              "seed and mean):", "", "| width | scheme | lower rate | higher rate |", "|---|---|---|---|"]
+for (width, scheme), by_seed in phis.items():
+    walked = walk(width, "2x3", scheme)
+    if not by_seed or not walked:
+        continue
+    shifted = []
+    for lr in neighbours(walked[0], sorted(set(lr_list) | {walked[0]})):
+        looped = {seed: results.get((width, "2x3", scheme, lr, seed), {}).get("test_loss") for seed in walk_seed_list}
+        short, deep = seed_losses(width, "2x1", scheme), seed_losses(width, "6x1", scheme)
+        values = [phi(short[seed], loss, deep[seed]) for seed, loss in looped.items()
+                  if loss is not None and seed in short and seed in deep]
+        shifted.append(f"{lr:g}: {', '.join(f'{v:.3f}' for v in values)} (mean {np.mean(values):.3f})"
+                       if values else f"{lr:g}: —")
+    lines.append(f"| {width} | {scheme} | " + " | ".join(shifted + ["—"] * (2 - len(shifted))) + " |")
 if len(scheme_list) == 2:
     other, base = scheme_list[1], scheme_list[0]
     lines += ["", f"## {other} minus {base}", "", "Paired by seed: test loss at each shape, and phi.", "",

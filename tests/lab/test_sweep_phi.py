@@ -53,6 +53,8 @@ def test_phi_table_its_differences_and_the_walks_against_hand_values(tmp_path):
         in table
     # phi per seed and its t-interval: 0.4, 0.5, 0.6 has mean 0.5, s.e. 0.0577, t(2) 4.303: half-width 0.248
     assert "| 32 | preln+paper | 0.400, 0.500, 0.600 | 0.500 ± 0.248 (3, p 0.013) | 3.46 |" in table
+    # phi with 2x3 one rate step off (the made-up test losses do not depend on the rate): the walk seeds' phi
+    assert "| 32 | preln+paper | 0.001: 0.400, 0.500 (mean 0.450) | 0.01: 0.400, 0.500 (mean 0.450) |" in table
     # DeepLoop minus Pre-LN, paired: 0.3, 0.2, 0.3 -> 0.267 ± 0.143; at width 64: 0.4, 0.4, 0.3 -> 0.367 ± 0.143
     # and test loss by shape: only 2x3 differs, by -0.2 * phi's difference: -0.06, -0.04, -0.06 -> -0.053 ± 0.029
     assert "| 32 | +0.000 ± 0.000 (3, p 1) | -0.053 ± 0.029 (3, p 0.015) | +0.000 ± 0.000 (3, p 1) " \
