@@ -160,7 +160,8 @@ def prefix_cache_hits(llm):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_greedy_completions_equal_sample_py_token_for_token(exports, server, layout, loops):
     """All prompts in one call (their steps share the engine's batches), then again (their prefix from the cache):
-    every completion equals sample.py's greedy text and GPT.generate's ids, which generates each prompt alone."""
+    every completion equals GPT.generate's ids, which generates each prompt alone, and sample.py's greedy text (one
+    process a case: the prompt that fills the context; sample.py's text is GPT.generate's, tests/test_sample.py)."""
     from vllm import SamplingParams
     register()
     out_dir, folder = exports[layout]
@@ -174,10 +175,11 @@ def test_greedy_completions_equal_sample_py_token_for_token(exports, server, lay
     finally:
         del llm
         gc.collect()
-    for (prompt, n), batched, cached in zip(PROMPTS, together, again):
-        expected = greedy_ids(out_dir, prompt, n, loops)
-        assert list(batched) == list(cached) == expected, prompt
-        assert BYTES.decode(expected) == sample_py(out_dir, prompt, n, loops), prompt
+    expected = [greedy_ids(out_dir, prompt, n, loops) for prompt, n in PROMPTS]
+    for (prompt, _), batched, cached, ids in zip(PROMPTS, together, again, expected):
+        assert list(batched) == list(cached) == ids, prompt
+    (prompt, n), ids = PROMPTS[2], expected[2]
+    assert n == BLOCK_SIZE - len(prompt) and BYTES.decode(ids) == sample_py(out_dir, prompt, n, loops)
     if loops == 2:  # the trained count: the model knows the sentence
         assert BYTES.decode(list(together[0])) == SENTENCE[len("a quick "):][:PROMPTS[0][1]]
 
