@@ -33,7 +33,7 @@ tqdm.monitor_interval = 0
 # own: EARLY = {test name: function of a private folder -> the command lines after `python`, run in the repo's root
 # one after another until one fails}.
 _RUNNER = """
-import json, os, subprocess, sys
+import json, os, subprocess, sys, time
 for folder, commands in json.loads(sys.argv[1]):
     with open(os.path.join(folder, "stdout.txt"), "w") as out, open(os.path.join(folder, "stderr.txt"), "w") as err:
         for command in commands:
@@ -41,11 +41,13 @@ for folder, commands in json.loads(sys.argv[1]):
             if returncode:
                 break
     with open(os.path.join(folder, "returncode.part"), "w") as f:
-        f.write(str(returncode))
+        f.write(f"{returncode} {time.monotonic()}")
     os.replace(os.path.join(folder, "returncode.part"), os.path.join(folder, "returncode"))
 """
 _early = {}  # node id -> (its folder, its command lines)
 _runner = []  # the process that runs them
+_runner_started = []  # when, by time.monotonic
+_runner_ended = []  # seconds after that, once every run has ended
 
 
 def _early_commands(item):
@@ -73,6 +75,14 @@ def pytest_collection_finish(session):
         jobs = json.dumps([(str(folder), [[str(arg) for arg in command] for command in commands])
                            for folder, commands in _early.values()])
         _runner.append(subprocess.Popen([sys.executable, "-c", _RUNNER, jobs], cwd=ROOT, start_new_session=True))
+        _runner_started.append(time.monotonic())
+
+
+def pytest_terminal_summary(terminalreporter):
+    # the suite takes the longer of this process's time and the runner's: the runner's, to balance the two by
+    if _runner_ended:
+        terminalreporter.write_line(f"EARLY runs: those of {len(_early)} tests ended {_runner_ended[0]:.0f} s after "
+                                    f"the session started them")
 
 
 @pytest.fixture
@@ -85,11 +95,15 @@ def early(request):
         assert _runner[0].poll() is None, f"the session's runner of EARLY runs ended with {_runner[0].returncode}"
         assert time.monotonic() < deadline, "EARLY runs still running after 10 minutes"
         time.sleep(0.05)
-    return subprocess.CompletedProcess(commands, int((folder / "returncode").read_text()),
+    return subprocess.CompletedProcess(commands, int((folder / "returncode").read_text().split()[0]),
                                        (folder / "stdout.txt").read_text(), (folder / "stderr.txt").read_text()), folder
 
 
 def pytest_sessionfinish(session):
+    ended = [float((folder / "returncode").read_text().split()[1]) for folder, _ in _early.values()
+             if (folder / "returncode").exists()]
+    if _runner_started and len(ended) == len(_early):
+        _runner_ended.append(max(ended) - _runner_started[0])
     for runner in _runner:
         os.killpg(runner.pid, signal.SIGKILL)  # the runner and the run it is at, if the session ends first
         runner.wait()
