@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -136,6 +137,17 @@ class Started:
 
     def kill(self):
         self.send_signal(signal.SIGKILL)
+
+
+def run_forked(cmd, env):
+    """lab.sweep_runs.Runs.run's (exit code, stderr) of `python -m lab.train ...` (cmd), the run forked from this
+    process (Started) instead of a new python: for tests of what a sweep plans and reads of its runs, not of how it
+    starts them (their stdout is in the stderr returned)."""
+    assert cmd[:3] == [sys.executable, "-m", "lab.train"], cmd
+    with tempfile.TemporaryFile("w+") as log:
+        code = Started("-m lab.train", *cmd[3:], cwd=os.getcwd(), log=log, env=env).wait()
+        log.seek(0)
+        return code, log.read()
 
 
 def block_calls_counted(module, stream, eager_backend=False):

@@ -11,10 +11,17 @@ import pytest
 from dataset import read_shard
 from lab.plot import read_metrics
 from prepare_data import prepare_builtin_if_missing
-from scripts import run_script
+from lab.sweep_runs import Runs
+from scripts import ROOT, run_forked, run_script
 
-from scripts import ROOT
 MARGIN = 0.1
+
+
+@pytest.fixture
+def forked_runs(monkeypatch):
+    """The sweep's train.py runs forked from this process, not started as new pythons (~2.5 s each, importing torch):
+    for tests of what a sweep plans, runs and tables; how it starts its runs is the tiny real sweep's test."""
+    monkeypatch.setattr(Runs, "run", lambda self, cmd, env: run_forked(cmd, env))
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +251,7 @@ def test_depth_mode_gives_schemes_rates_of_their_own(tmp_path):
     assert "| preln | 2 | 0.001 | 1.00 ± 0.00 |" in table
 
 
-def test_variants_combine_and_each_reaches_its_runs_settings(tmp_path):
+def test_variants_combine_and_each_reaches_its_runs_settings(tmp_path, forked_runs):
     """--schemes=postln+add+curriculum+warmup: one real (1-step) run gets every variant's settings, later ones
     winning; at R = 1 a scheme with an injected input is not run."""
     out = tmp_path / "combined"
@@ -433,7 +440,7 @@ def test_bad_settings_are_one_line_errors(args, message):
     assert r.stderr == f"error: {message}\n"
 
 
-def test_a_variant_runs_its_model_settings_and_labels_its_rows(tmp_path):
+def test_a_variant_runs_its_model_settings_and_labels_its_rows(tmp_path, forked_runs):
     """--schemes=preln+huginn: one real (2-step) run on the depth task trains Huginn's layout, and the tables name it"""
     out = tmp_path / "variant"
     r = sweep("--mode=depth", f"--out_dir={out}", "--schemes=preln+huginn", "--loops=2", "--learning_rates=1e-3",
@@ -531,7 +538,7 @@ def test_budget_mode_reports_the_gap_to_preln_its_trend_and_the_gain_from_loops(
                                                f"e.g. docs/runs/budget_study_runs.jsonl\n")
 
 
-def test_budget_mode_trains_its_plan_in_order_and_resumes(tmp_path):
+def test_budget_mode_trains_its_plan_in_order_and_resumes(tmp_path, forked_runs):
     """A real budget study of 2-step runs: the grid, then the best rate at the longer budget, then the neighbours;
     a second invocation trains nothing."""
     out = tmp_path / "budget_real"
@@ -600,7 +607,7 @@ def test_the_rate_walk_brackets_the_lowest_mean_on_every_seed():
     assert rate_walk(1e-2, rates, lambda lr: 1.0 / lr) == (3e-2, [1e-2, 3e-3, 3e-2], True)
 
 
-def test_budget_mode_walks_each_long_rate_on_every_long_seed_and_tables_it(tmp_path):
+def test_budget_mode_walks_each_long_rate_on_every_long_seed_and_tables_it(tmp_path, forked_runs):
     """Made-up runs: at the longest budget Pre-LN at R = 1 is best at 1e-3 (the chosen rate's lower neighbour) on the
     mean of seeds 0 and 1 though seed 1 alone prefers 3e-3, and DeepLoop at R = 1 at 3e-3; the study trains exactly
     the runs the walks still ask for (the neighbours on seed 1, and 3.33e-4, past Pre-LN's winner), and the verdict
