@@ -209,7 +209,8 @@ def test_lm_eval_vllm_backend_scores_the_demo_task_as_eval_downstream(exports, t
             model="vllm", model_args=dict(pretrained=folder, trust_remote_code=True, dtype="float32",
                                           max_model_len=BLOCK_SIZE, enforce_eager=True,
                                           kv_cache_memory_bytes=32 * 2**20),
-            tasks=["deeploop_demo"], task_manager=TaskManager(include_path=demo), log_samples=True)
+            tasks=["deeploop_demo"], task_manager=TaskManager(include_path=demo, include_defaults=False),
+            log_samples=True)
     gc.collect()
     scores = results["results"]["deeploop_demo"]
     assert (scores["acc,none"], scores["acc_norm,none"]) == (expected["acc,none"], expected["acc_norm,none"])
