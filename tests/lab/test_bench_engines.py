@@ -1,15 +1,14 @@
 """lab/bench_engines.py: the engines agree on greedy tokens, and the table has a row of figures for each engine, whose
 counts of tokens and seconds add up; bad settings are one line. The run with vLLM is skipped where it is not
-installed, and runs in a process of its own (vLLM starts its engine in the bench's process)."""
+installed, and runs in a process of its own (vLLM starts its engine in the bench's process) started with the
+session."""
 
 import importlib.util
 import re
-import subprocess
-import sys
 
 import pytest
 
-from scripts import ROOT, run_script
+from scripts import run_script
 
 TINY = ["--n_layer=1", "--n_loop=2", "--n_head=2", "--n_embd=64", "--block_size=32", "--sequences=1,3",
         "--gen_tokens=6", "--prompt_len=4", "--repeats=1"]
@@ -42,10 +41,15 @@ def test_project_and_transformers_agree_and_are_timed():
     check_output(r.stdout, ["project", "transformers"])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (requirements-serve.txt)")
-def test_vllm_agrees_with_the_project_and_is_timed():
-    r = subprocess.run([sys.executable, "-m", "lab.bench_engines", *TINY, "--engines=vllm,project"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+# started with the session (conftest.py): a process of its own, whose vLLM import and engine take ~15 s
+EARLY = {"test_vllm_agrees_with_the_project_and_is_timed":
+         lambda folder: [["-m", "lab.bench_engines", *TINY, "--engines=vllm,project"]]} if HAS_VLLM else {}
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (requirements-serve.txt)")
+def test_vllm_agrees_with_the_project_and_is_timed(early):
+    r, _ = early
     assert r.returncode == 0, r.stderr[-3000:]
     check_output(r.stdout, ["vllm", "project"])
 
