@@ -79,7 +79,8 @@ def pytest_collection_finish(session):
 
 
 def pytest_terminal_summary(terminalreporter):
-    # the suite takes the longer of this process's time and the runner's: the runner's, to balance the two by
+    # the suite lasts as long as the longer of this process and the runner: the runner's end, beside pytest's total,
+    # shows which of the two to move tests off
     if _runner_ended:
         terminalreporter.write_line(f"EARLY runs: those of {len(_early)} tests ended {_runner_ended[0]:.0f} s after "
                                     f"the session started them")

@@ -10,8 +10,8 @@ import pytest
 
 from dataset import read_shard
 from lab.plot import read_metrics
-from prepare_data import prepare_builtin_if_missing
 from lab.sweep_runs import Runs
+from prepare_data import prepare_builtin_if_missing
 from scripts import ROOT, run_forked, run_script
 
 MARGIN = 0.1
