@@ -51,17 +51,70 @@ _runner_ended = []  # seconds after that, once every run has ended
 
 
 def _early_commands(item):
-    return getattr(item.module, "EARLY", {}).get(item.name)
+    return getattr(getattr(item, "module", None), "EARLY", {}).get(item.name)
 
 
+# The tests of a module that leaves its process changed for good (LEAVES_THE_PROCESS_CHANGED: vLLM's engine run in
+# it) run in a pytest process of their own, started with the session beside this one and the EARLY runner, so that
+# they share the two cores with the rest instead of running alone after it. Here each is an item that waits for that
+# process and reports what the test did there.
+_IN_OWN_PROCESS = "DEEPLOOP_TESTS_REPORT"  # set in that process: the file its tests' reports go to, a JSON line each
+_own = []  # [the process, its reports' file, its output's file], once started
+
+
+def _leaves_the_process_changed(item):
+    return getattr(item.module, "LEAVES_THE_PROCESS_CHANGED", False) and _IN_OWN_PROCESS not in os.environ
+
+
+class InOwnProcess(pytest.Item):
+    def runtest(self):
+        process, reports, output = _own
+        try:
+            process.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the tests' own pytest process still running after 10 minutes", pytrace=False)
+        mine = [json.loads(line) for line in reports.read_text().splitlines()]
+        mine = [r for r in mine if r["nodeid"] == self.nodeid]
+        if not mine:
+            pytest.fail(f"the tests' own pytest process (exit {process.returncode}) did not run this test:\n"
+                        f"{output.read_text()[-3000:]}", pytrace=False)
+        for r in mine:
+            if r["outcome"] == "failed":
+                pytest.fail(f"in the tests' own pytest process, at {r['when']}:\n{r['text']}", pytrace=False)
+        for r in mine:
+            if r["outcome"] == "skipped":
+                pytest.skip(r["text"])
+
+    def reportinfo(self):
+        return self.path, None, self.name
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m deselected theirs
 def pytest_collection_modifyitems(items):
-    # stable: the tests that wait for a run go last, and after them those of a module that leaves this process changed
-    # for good (LEAVES_THE_PROCESS_CHANGED: vLLM's engine run here), so that nothing runs after them
-    items.sort(key=lambda item: (getattr(item.module, "LEAVES_THE_PROCESS_CHANGED", False),
-                                 _early_commands(item) is not None))
+    items[:] = [InOwnProcess.from_parent(item.parent, name=item.name) if _leaves_the_process_changed(item) else item
+                for item in items]
+    # stable: the tests that wait for another process go last
+    items.sort(key=lambda item: isinstance(item, InOwnProcess) or _early_commands(item) is not None)
+
+
+def pytest_runtest_logreport(report):
+    if _IN_OWN_PROCESS in os.environ:
+        skip = report.skipped and isinstance(report.longrepr, tuple)
+        with open(os.environ[_IN_OWN_PROCESS], "a") as f:
+            f.write(json.dumps(dict(nodeid=report.nodeid, when=report.when, outcome=report.outcome,
+                                    text=report.longrepr[2] if skip else report.longreprtext)) + "\n")
 
 
 def pytest_collection_finish(session):
+    if own := [item.nodeid for item in session.items if isinstance(item, InOwnProcess)]:
+        folder = Path(tempfile.mkdtemp(prefix="deeploop-own-"))
+        reports, output = folder / "reports.jsonl", folder / "output.txt"
+        reports.touch()
+        with open(output, "w") as out:
+            _own.extend([subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *own],
+                                          cwd=session.config.rootpath, stdout=out, stderr=subprocess.STDOUT,
+                                          env=dict(os.environ, **{_IN_OWN_PROCESS: str(reports)}),
+                                          start_new_session=True), reports, output])
     for item in session.items:
         if _early_commands(item):
             folder = Path(tempfile.mkdtemp(prefix="deeploop-early-"))
@@ -105,8 +158,11 @@ def pytest_sessionfinish(session):
              if (folder / "returncode").exists()]
     if _runner_started and len(ended) == len(_early):
         _runner_ended.append(max(ended) - _runner_started[0])
-    for runner in _runner:
-        os.killpg(runner.pid, signal.SIGKILL)  # the runner and the run it is at, if the session ends first
-        runner.wait()
+    for process in _runner + _own[:1]:
+        if process.returncode is None:  # not reaped yet: its group still exists
+            os.killpg(process.pid, signal.SIGKILL)  # and the run it is at, if the session ends first
+        process.wait()
+    if _own:
+        shutil.rmtree(_own[1].parent, ignore_errors=True)
     for folder, _ in _early.values():
         shutil.rmtree(folder, ignore_errors=True)
