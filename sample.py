@@ -16,7 +16,6 @@ import sys
 import time
 
 import torch
-import torch._dynamo
 
 from runtime import check_device, precision, tune_malloc
 from configurator import configure, die
@@ -85,6 +84,7 @@ try:
 except (ValueError, FileNotFoundError) as e:
     die(str(e))
 if compile:
+    import torch._dynamo  # here, not at the top: importing it adds a second to every start
     model.compile_blocks()  # in place: every pass runs them, adaptive exit's too
     # the prompt and the decode step are a few graphs per block; past the limit torch would silently run uncompiled,
     # so hitting it is an error
