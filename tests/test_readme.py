@@ -11,17 +11,25 @@ A `pip install -r FILE` is not run: FILE and the files it includes exist, each l
 packages installed here satisfy it; a `pip install --no-deps NAME==VERSION`: that version is installed here.
 
 The commands run in one process of their own, started with the session (conftest.py's EARLY), in about a minute.
-Run alone, `python tests/test_readme.py FOLDER` runs them in FOLDER and writes FOLDER/readme_runs.json.
+A `python` command runs in a child forked from it, as python would run it (its sys.argv, sys.path[0], environment,
+exit code and exit handlers), with torch imported once before: ~2 s a command. torchrun's and ENV's run in new
+processes: their start is what is under test. Run alone, `python tests/test_readme.py FOLDER` runs them in FOLDER and
+writes FOLDER/readme_runs.json.
 """
 
+import atexit
 import json
 import os
 import re
+import runpy
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -107,6 +115,53 @@ def publish_fineweb_edu(hub):
     hub.add(FINEWEB, {"sample/10BT/000_00000.parquet": parquet_bytes(texts)})
 
 
+def python_forked(args, cwd, env, timeout):
+    """`python ARGS` (a script or -m module and its arguments) in cwd with env, in a child forked from this process
+    -> (its exit code, or "timeout after N s"; stdout and stderr as written)."""
+    with tempfile.TemporaryFile("w+") as log:
+        pid = os.fork()
+        if pid == 0:
+            code = 1  # the child: leaves by os._exit, never back into the caller's loop
+            try:
+                os.dup2(log.fileno(), 1)
+                os.dup2(log.fileno(), 2)
+                sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
+                os.chdir(cwd)
+                os.environ.clear()
+                os.environ.update(env)
+                atexit._clear()  # this process's exit handlers are not the script's
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                module = args[1] if args[0] == "-m" else None
+                sys.argv = args[1:] if module else args
+                sys.path[0] = cwd if module else os.path.dirname(os.path.abspath(args[0]))
+                if module:
+                    runpy.run_module(module, run_name="__main__", alter_sys=True)
+                else:
+                    runpy.run_path(args[0], run_name="__main__")
+                code = 0
+            except SystemExit as e:
+                if e.code is None or isinstance(e.code, int):
+                    code = e.code or 0
+                else:
+                    print(e.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                atexit._run_exitfuncs()
+                sys.stdout.flush()
+                os._exit(code)
+        deadline = time.monotonic() + timeout
+        while not (waited := os.waitpid(pid, os.WNOHANG))[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                waited = None
+                break
+            time.sleep(0.01)
+        log.seek(0)
+        return (os.waitstatus_to_exitcode(waited[1]) if waited else f"timeout after {timeout} s"), log.read()
+
+
 def run_all(folder):
     """Run the README's commands in folder -> a record per command run: README line, arguments, exit code,
     seconds, the output's last lines. Stops at the first that fails."""
@@ -140,11 +195,15 @@ def run_all(folder):
                            if key not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE")}
                     env.update(ENV[command], **hub_env)
                 t0 = time.monotonic()
-                try:
-                    result = subprocess.run(args, cwd=folder, env=env, capture_output=True, text=True, timeout=300)
-                    returncode, output = result.returncode, result.stdout + result.stderr
-                except subprocess.TimeoutExpired as e:
-                    returncode, output = "timeout after 300 s", str(e.stdout or "") + str(e.stderr or "")
+                if args[0] == "python" and command not in ENV:
+                    returncode, output = python_forked(args[1:], folder, env, timeout=300)
+                else:
+                    try:
+                        result = subprocess.run(args, cwd=folder, env=env, capture_output=True, text=True,
+                                                timeout=300)
+                        returncode, output = result.returncode, result.stdout + result.stderr
+                    except subprocess.TimeoutExpired as e:
+                        returncode, output = "timeout after 300 s", str(e.stdout or "") + str(e.stderr or "")
                 records.append(dict(line=line, command=command, args=args, returncode=returncode,
                                     seconds=round(time.monotonic() - t0, 1), output=output[-3000:]))
                 if returncode != 0:
@@ -210,6 +269,7 @@ def test_every_pip_install_names_requirement_files_this_environment_satisfies():
 
 if __name__ == "__main__":
     sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+    import torch  # noqa: F401 (for the children forked from here)
     runs = run_all(sys.argv[1])
     with open(os.path.join(sys.argv[1], "readme_runs.json"), "w") as f:
         json.dump(runs, f, indent=1)
