@@ -48,6 +48,7 @@ _early = {}  # node id -> (its folder, its command lines)
 _runner = []  # the process that runs them
 _runner_started = []  # when, by time.monotonic
 _runner_ended = []  # seconds after that, once every run has ended
+_own_ended = []  # the same of the tests in a process of their own
 
 
 def _early_commands(item):
@@ -59,7 +60,7 @@ def _early_commands(item):
 # they share the two cores with the rest instead of running alone after it. Here each is an item that waits for that
 # process and reports what the test did there.
 _IN_OWN_PROCESS = "DEEPLOOP_TESTS_REPORT"  # set in that process: the file its tests' reports go to, a JSON line each
-_own = []  # [the process, its reports' file, its output's file], once started
+_own = []  # [the process, its reports' file, its output's file, when it started], once started
 
 
 def _leaves_the_process_changed(item):
@@ -68,7 +69,7 @@ def _leaves_the_process_changed(item):
 
 class InOwnProcess(pytest.Item):
     def runtest(self):
-        process, reports, output = _own
+        process, reports, output, _ = _own
         try:
             process.wait(timeout=600)
         except subprocess.TimeoutExpired:
@@ -102,7 +103,8 @@ def pytest_runtest_logreport(report):
         skip = report.skipped and isinstance(report.longrepr, tuple)
         with open(os.environ[_IN_OWN_PROCESS], "a") as f:
             f.write(json.dumps(dict(nodeid=report.nodeid, when=report.when, outcome=report.outcome,
-                                    text=report.longrepr[2] if skip else report.longreprtext)) + "\n")
+                                    text=report.longrepr[2] if skip else report.longreprtext,
+                                    at=time.monotonic())) + "\n")
 
 
 def pytest_collection_finish(session):
@@ -114,7 +116,7 @@ def pytest_collection_finish(session):
             _own.extend([subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *own],
                                           cwd=session.config.rootpath, stdout=out, stderr=subprocess.STDOUT,
                                           env=dict(os.environ, **{_IN_OWN_PROCESS: str(reports)}),
-                                          start_new_session=True), reports, output])
+                                          start_new_session=True), reports, output, time.monotonic()])
     for item in session.items:
         if _early_commands(item):
             folder = Path(tempfile.mkdtemp(prefix="deeploop-early-"))
@@ -132,11 +134,14 @@ def pytest_collection_finish(session):
 
 
 def pytest_terminal_summary(terminalreporter):
-    # the suite lasts as long as the longer of this process and the runner: the runner's end, beside pytest's total,
-    # shows which of the two to move tests off
+    # the suite lasts as long as the longest of this process, the runner and the tests in their own process: their
+    # ends, beside pytest's total, show which to move tests off
     if _runner_ended:
         terminalreporter.write_line(f"EARLY runs: those of {len(_early)} tests ended {_runner_ended[0]:.0f} s after "
                                     f"the session started them")
+    if _own_ended:
+        terminalreporter.write_line(f"The tests in a process of their own ended {_own_ended[0]:.0f} s after the "
+                                    f"session started it")
 
 
 @pytest.fixture
@@ -163,6 +168,8 @@ def pytest_sessionfinish(session):
             os.killpg(process.pid, signal.SIGKILL)  # and the run it is at, if the session ends first
         process.wait()
     if _own:
+        if reports := _own[1].read_text().splitlines():
+            _own_ended.append(json.loads(reports[-1])["at"] - _own[3])
         shutil.rmtree(_own[1].parent, ignore_errors=True)
     for folder, _ in _early.values():
         shutil.rmtree(folder, ignore_errors=True)
