@@ -48,40 +48,46 @@ _early = {}  # node id -> (its folder, its command lines)
 _runner = []  # the process that runs them
 _runner_started = []  # when, by time.monotonic
 _runner_ended = []  # seconds after that, once every run has ended
-_own_ended = []  # the same of the tests in a process of their own
+_second_ended = []  # the same of the tests in a second process
 
 
 def _early_commands(item):
     return getattr(getattr(item, "module", None), "EARLY", {}).get(item.name)
 
 
-# The tests of a module that leaves its process changed for good (LEAVES_THE_PROCESS_CHANGED: vLLM's engine run in
-# it) run in a pytest process of their own, started with the session beside this one and the EARLY runner, so that
-# they share the two cores with the rest instead of running alone after it. Here each is an item that waits for that
-# process and reports what the test did there.
-_IN_OWN_PROCESS = "DEEPLOOP_TESTS_REPORT"  # set in that process: the file its tests' reports go to, a JSON line each
-_own = []  # [the process, its reports' file, its output's file, when it started], once started
+# The tests of some modules run in a second pytest process, started with the session beside this one and the EARLY
+# runner: a module whose tests leave their process changed for good (LEAVES_THE_PROCESS_CHANGED: vLLM's engine run in
+# it), there after the others, and modules of seconds of computing that move there to keep the two cores equally busy
+# (SECOND_PROCESS). Here each of their tests is an item that waits for that process and reports what the test did
+# there.
+_SECOND = "DEEPLOOP_TESTS_REPORT"  # set in that process: the file its tests' reports go to, a JSON line each
+_second = []  # [the process, its reports' file, its output's file, when it started], once started
 
 
 def _leaves_the_process_changed(item):
-    return getattr(item.module, "LEAVES_THE_PROCESS_CHANGED", False) and _IN_OWN_PROCESS not in os.environ
+    return getattr(getattr(item, "module", None), "LEAVES_THE_PROCESS_CHANGED", False)
 
 
-class InOwnProcess(pytest.Item):
+def _in_second_process(item):
+    return _SECOND not in os.environ and (_leaves_the_process_changed(item) or
+                                          getattr(item.module, "SECOND_PROCESS", False))
+
+
+class InSecondProcess(pytest.Item):
     def runtest(self):
-        process, reports, output, _ = _own
+        process, reports, output, _ = _second
         try:
             process.wait(timeout=600)
         except subprocess.TimeoutExpired:
-            pytest.fail("the tests' own pytest process still running after 10 minutes", pytrace=False)
+            pytest.fail("the second pytest process still running after 10 minutes", pytrace=False)
         mine = [json.loads(line) for line in reports.read_text().splitlines()]
         mine = [r for r in mine if r["nodeid"] == self.nodeid]
         if not mine:
-            pytest.fail(f"the tests' own pytest process (exit {process.returncode}) did not run this test:\n"
+            pytest.fail(f"the second pytest process (exit {process.returncode}) did not run this test:\n"
                         f"{output.read_text()[-3000:]}", pytrace=False)
         for r in mine:
             if r["outcome"] == "failed":
-                pytest.fail(f"in the tests' own pytest process, at {r['when']}:\n{r['text']}", pytrace=False)
+                pytest.fail(f"in the second pytest process, at {r['when']}:\n{r['text']}", pytrace=False)
         for r in mine:
             if r["outcome"] == "skipped":
                 pytest.skip(r["text"])
@@ -92,31 +98,32 @@ class InOwnProcess(pytest.Item):
 
 @pytest.hookimpl(trylast=True)  # after -k and -m deselected theirs
 def pytest_collection_modifyitems(items):
-    items[:] = [InOwnProcess.from_parent(item.parent, name=item.name) if _leaves_the_process_changed(item) else item
+    items[:] = [InSecondProcess.from_parent(item.parent, name=item.name) if _in_second_process(item) else item
                 for item in items]
-    # stable: the tests that wait for another process go last
-    items.sort(key=lambda item: isinstance(item, InOwnProcess) or _early_commands(item) is not None)
+    # stable: the tests that wait for another process go last, and those that leave the process changed after all
+    items.sort(key=lambda item: (_leaves_the_process_changed(item),
+                                 isinstance(item, InSecondProcess) or _early_commands(item) is not None))
 
 
 def pytest_runtest_logreport(report):
-    if _IN_OWN_PROCESS in os.environ:
+    if _SECOND in os.environ:
         skip = report.skipped and isinstance(report.longrepr, tuple)
-        with open(os.environ[_IN_OWN_PROCESS], "a") as f:
+        with open(os.environ[_SECOND], "a") as f:
             f.write(json.dumps(dict(nodeid=report.nodeid, when=report.when, outcome=report.outcome,
                                     text=report.longrepr[2] if skip else report.longreprtext,
                                     at=time.monotonic())) + "\n")
 
 
 def pytest_collection_finish(session):
-    if own := [item.nodeid for item in session.items if isinstance(item, InOwnProcess)]:
-        folder = Path(tempfile.mkdtemp(prefix="deeploop-own-"))
+    if second := [item.nodeid for item in session.items if isinstance(item, InSecondProcess)]:
+        folder = Path(tempfile.mkdtemp(prefix="deeploop-second-"))
         reports, output = folder / "reports.jsonl", folder / "output.txt"
         reports.touch()
         with open(output, "w") as out:
-            _own.extend([subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *own],
-                                          cwd=session.config.rootpath, stdout=out, stderr=subprocess.STDOUT,
-                                          env=dict(os.environ, **{_IN_OWN_PROCESS: str(reports)}),
-                                          start_new_session=True), reports, output, time.monotonic()])
+            process = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *second],
+                                       cwd=session.config.rootpath, stdout=out, stderr=subprocess.STDOUT,
+                                       env=dict(os.environ, **{_SECOND: str(reports)}), start_new_session=True)
+        _second.extend([process, reports, output, time.monotonic()])
     for item in session.items:
         if _early_commands(item):
             folder = Path(tempfile.mkdtemp(prefix="deeploop-early-"))
@@ -134,14 +141,14 @@ def pytest_collection_finish(session):
 
 
 def pytest_terminal_summary(terminalreporter):
-    # the suite lasts as long as the longest of this process, the runner and the tests in their own process: their
+    # the suite lasts as long as the longest of this process, the runner and the second process: their
     # ends, beside pytest's total, show which to move tests off
     if _runner_ended:
         terminalreporter.write_line(f"EARLY runs: those of {len(_early)} tests ended {_runner_ended[0]:.0f} s after "
                                     f"the session started them")
-    if _own_ended:
-        terminalreporter.write_line(f"The tests in a process of their own ended {_own_ended[0]:.0f} s after the "
-                                    f"session started it")
+    if _second_ended:
+        terminalreporter.write_line(f"The tests in a second process ended {_second_ended[0]:.0f} s after the session "
+                                    f"started it")
 
 
 @pytest.fixture
@@ -163,13 +170,13 @@ def pytest_sessionfinish(session):
              if (folder / "returncode").exists()]
     if _runner_started and len(ended) == len(_early):
         _runner_ended.append(max(ended) - _runner_started[0])
-    for process in _runner + _own[:1]:
+    for process in _runner + _second[:1]:
         if process.returncode is None:  # not reaped yet: its group still exists
             os.killpg(process.pid, signal.SIGKILL)  # and the run it is at, if the session ends first
         process.wait()
-    if _own:
-        if reports := _own[1].read_text().splitlines():
-            _own_ended.append(json.loads(reports[-1])["at"] - _own[3])
-        shutil.rmtree(_own[1].parent, ignore_errors=True)
+    if _second:
+        if reports := _second[1].read_text().splitlines():
+            _second_ended.append(json.loads(reports[-1])["at"] - _second[3])
+        shutil.rmtree(_second[1].parent, ignore_errors=True)
     for folder, _ in _early.values():
         shutil.rmtree(folder, ignore_errors=True)

@@ -23,6 +23,7 @@ ARCHS = {"preln": (2, 0.5, 0.3, dict(residual="preln")),
          "huginn-rope": (1, 0.3, 2.0, dict(residual="preln", position_encoding="rope", loop_input="concat", **HUGINN))}
 PROMPT_LEN, NEW_TOKENS = 8, 200
 CASES = ["loops2-cached", "loops2-uncached", "loops3-cached", "loops3-uncached", "exit-per_visit", "exit-last_loop"]
+SECOND_PROCESS = True  # ~20 s of decoding, run beside the rest of the session (conftest.py)
 
 
 def fixture_model(arch):

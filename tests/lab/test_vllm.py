@@ -54,7 +54,7 @@ IN_PROCESS = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=
 # What an engine leaves behind here is not undone: this file's tests end with torch at 2 threads (and its
 # set_num_threads replaced by a no-op), LD_PRELOAD and vLLM's variables set, numba loaded. A test after them saw
 # logits differ in the last bits, and a train.py forked from this process hung before its first step (OpenMP's
-# threads do not survive a fork). conftest.py runs these tests in a pytest process of their own.
+# threads do not survive a fork). conftest.py runs these tests in a second pytest process, after the others there.
 LEAVES_THE_PROCESS_CHANGED = True
 
 
