@@ -12,6 +12,8 @@ from lab.loops import LOOP_STREAM, TrainLoops, TruncatedBackprop
 from model import CHOICES, GPT, MAX_LOOPS
 from models import HUGINN, NO_CACHE, perturbed, tiny
 
+SECOND_PROCESS = True  # dynamo's tracing of ~20 loop counts, seconds of computing run beside the rest (conftest.py)
+
 
 def test_train_loops_draw_a_pure_function_of_seed_and_step():
     uniform, huginn = TrainLoops("uniform", loop_min=1, loop_max=3), TrainLoops("lognormal_poisson", loop_mean=3.0)
