@@ -27,9 +27,10 @@ torch.set_num_threads(1)
 tqdm.monitor_interval = 0
 
 
-# Runs started when the session starts. The suite runs in this one process, on one core; the few runs that need
-# processes of their own for 10-30 s (gpu_check's dry run, compiled runs, a real sweep) run one after another on the
-# other core meanwhile, and their tests, moved to the end of the session, collect the results. A test file lists its
+# Runs started when the session starts. Most of the suite runs in this one process, on one core; the few runs that
+# need processes of their own for 10-30 s (gpu_check's dry run, compiled runs, a real sweep) run one after another on
+# the other core meanwhile (beside the second process below), and their tests, moved to the end of the session,
+# collect the results. A test file lists its
 # own: EARLY = {test name: function of a private folder -> the command lines after `python`, run in the repo's root
 # one after another until one fails}.
 _RUNNER = """
