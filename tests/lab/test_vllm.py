@@ -148,12 +148,13 @@ def greedy_ids(out_dir, prompt, new_tokens, loops):
     return out[0, idx.size(1):].tolist()
 
 
-def engine(folder, loops):
+def engine(folder, loops, **settings):
+    """vLLM's LLM on folder at that many loops, in this process: ENGINE, with settings in place of or beside its own."""
     from vllm import LLM
     with pytest.MonkeyPatch.context() as mp:
         for key, value in IN_PROCESS.items():
             mp.setenv(key, value)
-        return LLM(model=folder, hf_overrides=dict(n_loop=loops), **ENGINE)
+        return LLM(model=folder, hf_overrides=dict(n_loop=loops), **{**ENGINE, **settings})
 
 
 def prefix_cache_hits(llm):
@@ -349,17 +350,13 @@ def test_a_truncated_export_or_a_loop_count_of_another_type_is_refused_before_vl
 def test_ngram_speculative_decoding_gives_the_greedy_tokens(exports):
     """vLLM's n-gram speculation (draft tokens looked up in the prompt, checked by one pass of the looped model) on a
     prompt that repeats the sentence: drafts are accepted, and the tokens are the greedy ones of GPT.generate."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     register()
     out_dir, folder = exports["deeploop"]
     prompt = SENTENCE + " a quick"  # 48 tokens, and 16 new ones fill the context
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in IN_PROCESS.items():
-            mp.setenv(key, value)
-        llm = LLM(model=folder, hf_overrides=dict(n_loop=2), **dict(ENGINE, enable_chunked_prefill=False,
-                                                                    max_num_batched_tokens=BLOCK_SIZE),
-                  speculative_config=dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=4,
-                                          prompt_lookup_min=2))
+    llm = engine(folder, 2, enable_chunked_prefill=False, max_num_batched_tokens=BLOCK_SIZE,
+                 speculative_config=dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=4,
+                                         prompt_lookup_min=2))
     try:
         ids = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                            use_tqdm=False)[0].outputs[0].token_ids
