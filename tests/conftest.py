@@ -51,8 +51,13 @@ _runner_ended = []  # seconds after that, once every run has ended
 _second_ended = []  # the same of the tests in a second process
 
 
+def _module_setting(item, name, default):
+    """A setting of the test's module (EARLY, SECOND_PROCESS, ...), or default; the second process's items have none."""
+    return getattr(getattr(item, "module", None), name, default)
+
+
 def _early_commands(item):
-    return getattr(getattr(item, "module", None), "EARLY", {}).get(item.name)
+    return _module_setting(item, "EARLY", {}).get(item.name)
 
 
 # The tests of some modules run in a second pytest process, started with the session beside this one and the EARLY
@@ -65,12 +70,12 @@ _second = []  # [the process, its reports' file, its output's file, when it star
 
 
 def _leaves_the_process_changed(item):
-    return getattr(getattr(item, "module", None), "LEAVES_THE_PROCESS_CHANGED", False)
+    return _module_setting(item, "LEAVES_THE_PROCESS_CHANGED", False)
 
 
 def _in_second_process(item):
     return _SECOND not in os.environ and (_leaves_the_process_changed(item) or
-                                          getattr(getattr(item, "module", None), "SECOND_PROCESS", False))
+                                          _module_setting(item, "SECOND_PROCESS", False))
 
 
 class InSecondProcess(pytest.Item):
