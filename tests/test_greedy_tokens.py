@@ -23,7 +23,7 @@ ARCHS = {"preln": (2, 0.5, 0.3, dict(residual="preln")),
          "huginn-rope": (1, 0.3, 2.0, dict(residual="preln", position_encoding="rope", loop_input="concat", **HUGINN))}
 PROMPT_LEN, NEW_TOKENS = 8, 200
 CASES = ["loops2-cached", "loops2-uncached", "loops3-cached", "loops3-uncached", "exit-per_visit", "exit-last_loop"]
-SECOND_PROCESS = True  # ~20 s of decoding, run beside the rest of the session (conftest.py)
+SECOND_PROCESS = True  # ~50 s of decoding and compiling, run beside the rest of the session (conftest.py)
 
 
 def fixture_model(arch):
@@ -79,6 +79,14 @@ def test_uncached_greedy_tokens_equal_the_argmax_of_a_training_mode_forward(arch
             logits, _ = model(idx[:, -model.config.block_size:], n_loop=n_loop)
             idx = torch.cat((idx, logits[:, -1].argmax(-1, keepdim=True)), dim=1)
         assert idx[:, PROMPT_LEN:].tolist() == recorded[arch][f"loops{n_loop}-uncached"], n_loop
+
+
+def test_greedy_tokens_through_the_compiled_decode_step_equal_those_recorded_before(recorded):
+    """GPT.compile_decode_step: the single-token steps of both sequences run one graph (autotuned, the weights frozen
+    in); the prompt, the step that fills the cache and the refills of the sliding window after it run uncompiled."""
+    model, prompt, _ = fixture_model("huginn-rope")
+    steps = model.generate_stream(prompt, NEW_TOKENS, top_k=1, n_loop=2, next_logits=model.compile_decode_step(2))
+    assert torch.cat(list(steps), dim=1).tolist() == recorded["huginn-rope"]["loops2-cached"]
 
 
 if __name__ == "__main__":  # records the fixture: PYTHONPATH=. python tests/test_greedy_tokens.py
