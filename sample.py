@@ -5,7 +5,8 @@ Sample from a trained model, printing the text as it is generated.
     python sample.py --out_dir=out-smoke --start=FILE:prompt.txt
     python sample.py --out_dir=out-smoke --n_loop=8          # test-time depth: run 8 loops instead of the trained count
     python sample.py --out_dir=out-smoke --use_cache=False   # recompute the whole context at every step (slower)
-    python sample.py --out_dir=out-smoke --compile=True      # compiled decode step: a few graphs, not one per token
+    python sample.py --out_dir=out-smoke --compile=True      # compiled blocks: a few graphs, not one per token
+    python sample.py --out_dir=out-smoke --compile_step=True # the decode step as one tuned graph: fastest on a CPU
 
 The samples go to stdout; what was loaded and how fast it ran go to stderr. The seam where the lab plugs in:
 `python -m lab.sample` (adaptive exit, a cache that does not grow) runs this file with LAB set to its Lab
@@ -36,7 +37,10 @@ use_cache = True  # False recomputes the full context for every new token (for c
 seed = 1337
 device = "cuda" if torch.cuda.is_available() else "cpu"  # or cpu, cuda:1, mps
 dtype = "auto"  # auto: float32 on a CPU (see below), else the fastest on the device; or float32, bfloat16, float16
-compile = False  # torch.compile the model; pays off only for long samples
+compile = False  # torch.compile the blocks, for every kind of decoding (the lab's too); pays off for long samples
+# the whole cached decode step as one graph, autotuned for its few rows with the weights frozen in (GPT.
+# compile_decode_step): half the time per token on a CPU, after a minute or two of compiling
+compile_step = False
 configure(globals(), sys.argv[1:], extra=LAB and LAB.settings)
 tune_malloc()  # before the first large allocation (runtime.tune_malloc)
 
@@ -49,6 +53,8 @@ if n_loop > MAX_LOOPS:
         f"{n_loop}")
 if temperature <= 0:
     die(f"--temperature must be > 0, got {temperature} (use --top_k=1 for greedy decoding)")
+if compile_step and (compile or not use_cache):
+    die("--compile_step compiles the cached decode step as a whole: drop --compile and --use_cache=False")
 if LAB:
     LAB.configure(globals())
 
@@ -89,6 +95,16 @@ if compile:
     # the prompt and the decode step are a few graphs per block; past the limit torch would silently run uncompiled,
     # so hitting it is an error
     torch._dynamo.config.fail_on_recompile_limit_hit = True
+next_logits, step_seconds = None, []
+if compile_step:
+    step = model.compile_decode_step(n_loop or None)
+
+    def next_logits(ids, caches):
+        """The compiled step, each call timed: the second is the first decode step, which compiles it."""
+        t = time.time()
+        logits = step(ids, caches)
+        step_seconds.append(time.time() - t)
+        return logits
 
 start = valid_text(start)  # a lone surrogate (--start='"\ud800"') becomes U+FFFD, as in the tokenizers
 start_ids = enc.encode_ordinary(start) or [enc.eot_token]  # an empty prompt starts a new document
@@ -100,8 +116,8 @@ print(f"{out_dir}/ckpt.pt: {cfg.n_layer} blocks x {cfg.n_loop} loops trained, sa
       f"{LAB.describe(loops) if LAB else f'{loops} loops'} (unrolled depth {cfg.depth(loops)}), tokenizer "
       f"{checkpoint['tokenizer']}, iter {checkpoint['iter_num']}, dtype {dtype} ({dtype_reason})", file=sys.stderr)
 del checkpoint  # the optimizer state in it is not needed for sampling
-generate = LAB.stream if LAB else lambda model, x, tokens, temperature, top_k, loops, vocab_size_limit: \
-    model.generate_stream(x, tokens, temperature, top_k, loops, use_cache, vocab_size_limit)
+generate = LAB.stream if LAB else lambda model, x, tokens, temperature, top_k, loops, vocab_size_limit, next_logits: \
+    model.generate_stream(x, tokens, temperature, top_k, loops, use_cache, vocab_size_limit, next_logits=next_logits)
 
 torch.manual_seed(seed)  # seeded here, so that the samples depend on the seed alone, not on how the model was built
 new_tokens, t0 = 0, time.time()
@@ -112,7 +128,7 @@ for k in range(num_samples):
         # Ids from enc.n_vocab up are padding (e.g. GPT-2's 50257 rounded up to 50304 for faster matmuls). They never
         # occur as targets, yet a briefly trained model still gives them some probability, and the tokenizer cannot
         # decode them: vocab_size_limit keeps them from being sampled.
-        for token in generate(model, x, max_new_tokens, temperature, top_k or None, loops, enc.n_vocab):
+        for token in generate(model, x, max_new_tokens, temperature, top_k or None, loops, enc.n_vocab, next_logits):
             ids.append(token.item())
             # Decode everything generated so far and print what is new. A token can end in the middle of a UTF-8
             # character (always possible with the bytes tokenizer, sometimes with GPT-2's byte-level BPE); the
@@ -128,6 +144,9 @@ for k in range(num_samples):
     sys.stdout.flush()
     new_tokens += len(ids)
 dt = time.time() - t0
-print(f"{new_tokens} tokens in {dt:.2f} s ({new_tokens / dt:.1f} tokens/s, use_cache={use_cache})", file=sys.stderr)
+compiling = f", of which {step_seconds[1]:.1f} s in the first decode step, which compiles it" \
+    if len(step_seconds) > 1 else ""
+print(f"{new_tokens} tokens in {dt:.2f} s ({new_tokens / dt:.1f} tokens/s, use_cache={use_cache}){compiling}",
+      file=sys.stderr)
 if LAB:
     LAB.report(loops)

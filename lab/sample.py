@@ -42,6 +42,9 @@ class Lab:
             die(f"--kv_cache must be one of {', '.join(decode.KV_CACHES)}, got {self.kv_cache!r}")
         if not self.use_cache and (self.exit_threshold or self.kv_cache != "per_visit"):
             die("--exit_threshold and --kv_cache=last_loop work on the KV cache: drop --use_cache=False")
+        if run["compile_step"] and (self.exit_threshold or self.kv_cache != "per_visit"):
+            die("--compile_step compiles the plain decode step: with --exit_threshold or --kv_cache=last_loop use "
+                "--compile=True, which compiles the blocks")
 
     def describe(self, loops):
         """How the run samples, for sample.py's line on what it loaded."""
@@ -51,12 +54,12 @@ class Lab:
         at = f"adaptive exit at KL {self.exit_threshold:g}, at most {loops}" if self.exit_threshold else f"{loops}"
         return f"{at} loops, kv_cache {self.kv_cache}"
 
-    def stream(self, model, x, max_new_tokens, temperature, top_k, loops, vocab_size_limit):
-        """The sampled tokens one at a time: the model's own generation, or lab.decode's with adaptive exit or
-        last_loop, the loops each token ran kept for report."""
+    def stream(self, model, x, max_new_tokens, temperature, top_k, loops, vocab_size_limit, next_logits):
+        """The sampled tokens one at a time: the model's own generation (through next_logits, sample.py's compiled
+        step, if set), or lab.decode's with adaptive exit or last_loop, the loops each token ran kept for report."""
         if not self.exit_threshold and self.kv_cache == "per_visit":
             return model.generate_stream(x, max_new_tokens, temperature, top_k, loops, self.use_cache,
-                                         vocab_size_limit)
+                                         vocab_size_limit, next_logits=next_logits)
         return decode.generate_stream(model, x, max_new_tokens, temperature, top_k, loops, vocab_size_limit,
                                       self.exit_threshold, self.kv_cache, self.loops_used)
 

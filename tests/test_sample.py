@@ -216,6 +216,10 @@ def test_exit_every_kl_passes_is_one_loop_and_last_loop_at_one_loop_is_per_visit
     (["--exit_threshold=1e-3", "--use_cache=False"],
      "--exit_threshold and --kv_cache=last_loop work on the KV cache: drop --use_cache=False"),
     (["--n_loop=-1", "--exit_threshold=1e-3"], "--n_loop must be >= 0, got -1"),
+    (["--compile_step=True", "--exit_threshold=1e-3"], "--compile_step compiles the plain decode step: with "
+     "--exit_threshold or --kv_cache=last_loop use --compile=True, which compiles the blocks"),
+    (["--compile_step=True", "--use_cache=False"],
+     "--compile_step compiles the cached decode step as a whole: drop --compile and --use_cache=False"),
 ])
 def test_bad_exit_and_cache_settings_are_one_line_errors(bytes_run, setting, message):
     result = run("-m lab.sample", f"--out_dir={bytes_run}", "--device=cpu", *setting)
