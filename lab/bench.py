@@ -7,8 +7,8 @@ KV cache for 1 and batch_size sequences, the cached step against its memory floo
     python -m lab.bench --compare_depths=True --gen_tokens=0   # and 8 blocks x 1 loop, same FLOPs: the ratio
     python -m lab.bench --tuned_malloc=False              # glibc's default allocator policy (see runtime.tune_malloc)
     python -m lab.bench --compare_caches=True             # kv_cache per_visit against last_loop; adaptive exit's test
-    python -m lab.bench --gen_sequences=1,8,32 --gen_uncached=False --dtype=float32 --warmup_steps=0 \
-        --timed_steps=1                                   # the cached step against its floor, docs/speed.md's table
+    python -m lab.bench --gen_sequences=1,8,32 --gen_uncached=False --gen_compile_step=True --dtype=float32 \
+        --warmup_steps=0 --timed_steps=1                  # the cached step against its floor, docs/speed.md's table
     python -m lab.bench --compile=True --n_layer=6 --n_loop=2 --n_head=12 --n_embd=768 --block_size=1024 \\
         --batch_size=12                                   # config/loop_small.py's model
 
@@ -34,7 +34,8 @@ A cached decode step is memory-bound: its floor is the bytes of weights and cach
 in, at the mean cache length of the generation) over the memory's read bandwidth, measured here in the same run; a
 last line per model sets the cached step of every count of sequences against it. compare_caches adds, timed alike
 through the same blocks and precision: the cached step with each kv_cache layout of lab.decode, the step at one loop,
-and the step with adaptive exit's test after every loop.
+and the step with adaptive exit's test after every loop. gen_compile_step adds the cached step compiled as one graph
+(GPT.compile_decode_step), the time its compilation took apart.
 The figures are wall-clock: the first line says how busy the machine was (its load average).
 """
 
@@ -78,6 +79,9 @@ gen_tokens = 200  # new tokens per sequence in the generation benchmark (the fir
 gen_prompt_len = 16  # past block_size - gen_prompt_len tokens the window slides: each step recomputes it all
 gen_sequences = ""  # counts of sequences to generate for, e.g. 1,8,32; empty: 1 and batch_size
 gen_uncached = True  # also time generation without the cache (at 32 sequences it takes minutes)
+# also time the cached step compiled as a whole (GPT.compile_decode_step: autotuned, the weights frozen in), its
+# compilation timed apart: a minute or two on a CPU, again for the first count of sequences above 1
+gen_compile_step = False
 compare_depths = False  # also bench n_layer * n_loop blocks x 1 loop (same unrolled FLOPs) and print the ratio
 compare_dtypes = False  # bench float32, bfloat16 and bfloat16 compiled side by side (instead of dtype and compile)
 compare_seconds = 60.0  # about how long compare_dtypes takes in all, a third for each precision (see above)
@@ -106,7 +110,10 @@ if sequence_counts[0] < 1:
     die(f"--gen_sequences takes counts of sequences >= 1 like 1,8,32, got {gen_sequences!r}")
 device_type = device.split(":")[0]
 if compile is None:
-    compile = device_type == "cuda"
+    compile = device_type == "cuda" and not gen_compile_step
+if gen_compile_step and (compile or compare_dtypes or not gen_tokens):
+    die("--gen_compile_step times the uncompiled model's decode step against the compiled step: drop --compile=True "
+        "and --compare_dtypes, keep --gen_tokens above 0")
 try:
     torch.empty(0, device=device)
 except Exception as e:  # RuntimeError, or AssertionError for CUDA in a CPU build of torch
@@ -230,16 +237,18 @@ def speed_against(seconds, reference):
     return f", {reference / seconds:.2g}x float32's speed" if reference else ""
 
 
-def tokens_stream(model, prompt, tokens, use_cache, kv_cache="per_visit", n_loop=None, exit_test=False):
-    """The new tokens of a generation of each of the prompt's sequences, step by step: the model's own generation,
-    the lab's for another cache layout, or with exit_test adaptive exit's decoding with the test after every loop
-    and no exit: lab.decode.generate_stream's pass at threshold 0, which no KL passes (generate_stream itself reads 0
-    as off)."""
+def tokens_stream(model, prompt, tokens, use_cache, kv_cache="per_visit", n_loop=None, exit_test=False,
+                  next_logits=None):
+    """The new tokens of a generation of each of the prompt's sequences, step by step: the model's own generation
+    (through next_logits if set: GPT.compile_decode_step's), the lab's for another cache layout, or with exit_test
+    adaptive exit's decoding with the test after every loop and no exit: lab.decode.generate_stream's pass at
+    threshold 0, which no KL passes (generate_stream itself reads 0 as off)."""
     if exit_test:
         return model.generate_stream(prompt, tokens, top_k=200, caches=new_caches(model),
                                      next_logits=lambda ids, caches: exit_logits(model, ids, 0.0, caches=caches)[0])
     if kv_cache == "per_visit":
-        return model.generate_stream(prompt, tokens, top_k=200, n_loop=n_loop, use_cache=use_cache)
+        return model.generate_stream(prompt, tokens, top_k=200, n_loop=n_loop, use_cache=use_cache,
+                                     next_logits=next_logits)
     return generate_stream(model, prompt, tokens, top_k=200, n_loop=n_loop, kv_cache=kv_cache)
 
 
@@ -297,7 +306,7 @@ def bench_generation(model, optimizer, ctx, dtype):
     print(f"memory: reads {bandwidth / 1e9:.1f} GB/s (best of sums and vector-matrix products over 256 MiB)")
     past, cache_size, weight_size = gen_prompt_len + gen_tokens / 2, getattr(torch, dtype).itemsize, \
         model.lm_head.weight.element_size()
-    ratios = []
+    ratios, compiled_step = [], model.compile_decode_step() if gen_compile_step else None
     for sequences in sequence_counts:
         prompt = torch.randint(vocab_size, (sequences, gen_prompt_len), device=device)
         cached = generation_step(model, ctx, prompt, True)
@@ -312,13 +321,25 @@ def bench_generation(model, optimizer, ctx, dtype):
               f"the floor")
         ratios.append(f"{sequences} sequence{'s' if sequences > 1 else ''} {cached * 1e3:.2f} ms, "
                       f"{cached / floor:.2f}x")
+        if compiled_step:
+            t0 = time.perf_counter()
+            with ctx:
+                for _ in tokens_stream(model, prompt, 2, True, next_logits=compiled_step):  # the first step compiles
+                    pass
+            compiling = time.perf_counter() - t0
+            compiled = generation_step(model, ctx, prompt, True, next_logits=compiled_step)
+            print(f"compiled step (GPT.compile_decode_step): {compiled * 1e3:.2f} ms/step ({sequences / compiled:.1f} "
+                  f"tokens/s), {compiled / floor:.2f}x the floor, {cached / compiled:.2f}x the speed of the cached "
+                  f"step; its first step and the prompt's pass took {compiling:.1f} s (compiling)")
+            ratios.append(f"compiled {compiled * 1e3:.2f} ms, {compiled / floor:.2f}x")
         if compare_caches:
             print("\n".join(compare_caches_lines(model, ctx, prompt)))
     weights = decode_step_bytes(model, 0, 0, cache_size, weight_size=weight_size)
     print(f"floor: a cached step reads the weights once, {weights / 1e6:.3g} MB ({weight_size} bytes each, as "
           f"stored), and the keys and values of {past:g} positions per sequence in every visit, "
           f"{kv_cache_bytes(model, 1, past, cache_size) / 1e6:.3g} MB per sequence, at {bandwidth / 1e9:.1f} GB/s; "
-          f"the cached step and its ratio to the floor: {'; '.join(ratios)}")
+          f"the cached step{' (and compiled)' if gen_compile_step else ''} and its ratio to the floor: "
+          f"{'; '.join(ratios)}")
     sys.stdout.flush()
 
 

@@ -169,6 +169,8 @@ def test_compiled_compare_caches_runs_every_block_compiled_within_the_recompile_
     ("--n_loop=5000", "n_loop must be a loop count from 1 to 1024 (model.MAX_LOOPS), got 5000"),
     ("--n_head=0", "need --warmup_steps >= 0, --timed_steps >= 1, --gen_tokens 0 or >= 2, "),
     ("--gen_tokens=1", "need --warmup_steps >= 0, --timed_steps >= 1, --gen_tokens 0 or >= 2, "),
+    ("--gen_compile_step=True", "--gen_compile_step times the uncompiled model's decode step against the compiled "
+     "step: drop --compile=True and --compare_dtypes, keep --gen_tokens above 0"),
     ("--compile_backend=foo", "Invalid backend: 'foo'"),
     ("--device=foo", "--device=foo is not usable here (Expected one of cpu, cuda, "),
 ])
