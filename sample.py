@@ -6,7 +6,7 @@ Sample from a trained model, printing the text as it is generated.
     python sample.py --out_dir=out-smoke --n_loop=8          # test-time depth: run 8 loops instead of the trained count
     python sample.py --out_dir=out-smoke --use_cache=False   # recompute the whole context at every step (slower)
     python sample.py --out_dir=out-smoke --compile=True      # compiled blocks: a few graphs, not one per token
-    python sample.py --out_dir=out-smoke --compile_step=True # the decode step as one tuned graph: fastest on a CPU
+    python sample.py --out_dir=out-smoke --compile_step=True  # the decode step as one tuned graph: fastest on a CPU
 
 The samples go to stdout; what was loaded and how fast it ran go to stderr. The seam where the lab plugs in:
 `python -m lab.sample` (adaptive exit, a cache that does not grow) runs this file with LAB set to its Lab
@@ -38,8 +38,8 @@ seed = 1337
 device = "cuda" if torch.cuda.is_available() else "cpu"  # or cpu, cuda:1, mps
 dtype = "auto"  # auto: float32 on a CPU (see below), else the fastest on the device; or float32, bfloat16, float16
 compile = False  # torch.compile the blocks, for every kind of decoding (the lab's too); pays off for long samples
-# the whole cached decode step as one graph, autotuned for its few rows with the weights frozen in (GPT.
-# compile_decode_step): half the time per token on a CPU, after a minute or two of compiling
+# the whole cached decode step as one graph, autotuned for its few rows, the weights frozen in: on a 2-core Zen 4
+# half the time per token of one sequence, after 20-50 s of compiling (GPT.compile_decode_step; CUDA never tried)
 compile_step = False
 configure(globals(), sys.argv[1:], extra=LAB and LAB.settings)
 tune_malloc()  # before the first large allocation (runtime.tune_malloc)
