@@ -210,6 +210,30 @@ def test_exit_every_kl_passes_is_one_loop_and_last_loop_at_one_loop_is_per_visit
     assert sample(bytes_run, *args, "--exit_threshold=0.0") == sample(bytes_run, *args)
 
 
+@pytest.mark.parametrize("script", ["sample.py", "-m lab.sample"])
+def test_compile_step_generates_every_token_through_the_step_the_model_compiles(bytes_run, monkeypatch, script):
+    """sample.py --compile_step=True (also under lab.sample, without its settings) hands GPT.compile_decode_step's
+    next_logits to generation (here an uncompiled stand-in, which counts its calls: compiling is
+    tests/test_greedy_tokens.py's) and says how long its first decode step took; the text is what sample.py prints
+    without it."""
+    calls = []
+
+    def counted_step(model, n_loop=None):
+        calls.append(("made", n_loop))
+        return lambda ids, caches: calls.append(ids.size(1)) or model(ids, None, n_loop, caches, True)[0]
+
+    monkeypatch.setattr(GPT, "compile_decode_step", counted_step)
+    args = (f"--out_dir={bytes_run}", "--device=cpu", "--dtype=float32", "--start=The ", "--num_samples=2",
+            "--max_new_tokens=30", "--top_k=1", "--n_loop=3")
+    result = run(script, *args, "--compile_step=True")
+    assert result.returncode == 0, result.stderr
+    # per sample: the prompt "The ", a token a step until the cache holds block_size 32, then the slid window
+    assert calls == [("made", 3)] + ([4] + [1] * 28 + [32]) * 2
+    assert re.search(r"60 tokens in [0-9.]+ s \([0-9.]+ tokens/s, use_cache=True\), of which [0-9.]+ s in the first "
+                     r"decode step, which compiles it\n", result.stderr), result.stderr
+    assert result.stdout == run("sample.py", *args).stdout
+
+
 @pytest.mark.parametrize("setting,message", [
     (["--exit_threshold=-1e-3"], "--exit_threshold must be >= 0 (0 = off), got -0.001"),
     (["--kv_cache=last"], "--kv_cache must be one of per_visit, last_loop, got 'last'"),
