@@ -409,8 +409,8 @@ class GPT(nn.Module):
         """generate_stream's next_logits with each decode step (one new token per sequence, the rest read from the
         cache) as one compiled graph: inductor autotunes every product for its few rows (max_autotune; on a CPU its
         own GEMM kernels win over oneDNN's) and freezes the weights in as constants laid out for them (freezing), so
-        the graph keeps the weights it was compiled with: for generation only. Compiling takes a minute or two on a
-        CPU, at the first step and once more at the first of several sequences (one sequence is a graph of its own).
+        the graph keeps the weights it was compiled with: for generation only. Compiling takes 20-50 s on 2 CPU cores,
+        at the first step and once more at the first of several sequences (one sequence is a graph of its own).
         The prompt's pass runs uncompiled, and so does the step that fills the cache, whose keys, the whole buffer,
         have another layout (compiling it would take as long again for one step)."""
         import torch._inductor.config as inductor  # here: importing it costs every start a second

@@ -80,7 +80,7 @@ gen_prompt_len = 16  # past block_size - gen_prompt_len tokens the window slides
 gen_sequences = ""  # counts of sequences to generate for, e.g. 1,8,32; empty: 1 and batch_size
 gen_uncached = True  # also time generation without the cache (at 32 sequences it takes minutes)
 # also time the cached step compiled as a whole (GPT.compile_decode_step: autotuned, the weights frozen in), its
-# compilation timed apart: a minute or two on a CPU, again for the first count of sequences above 1
+# compilation timed apart: 20-50 s on 2 CPU cores, again for the first count of sequences above 1
 gen_compile_step = False
 compare_depths = False  # also bench n_layer * n_loop blocks x 1 loop (same unrolled FLOPs) and print the ratio
 compare_dtypes = False  # bench float32, bfloat16 and bfloat16 compiled side by side (instead of dtype and compile)
