@@ -405,29 +405,6 @@ class GPT(nn.Module):
             idx = torch.cat((idx, idx_next), dim=1)
             yield idx_next
 
-    def compile_decode_step(self, n_loop=None):
-        """generate_stream's next_logits with each decode step (one new token per sequence, the rest read from the
-        cache) as one compiled graph: inductor autotunes every product for its few rows (max_autotune; on a CPU its
-        own GEMM kernels win over oneDNN's) and freezes the weights in as constants laid out for them (freezing), so
-        the graph keeps the weights it was compiled with: for generation only. Compiling takes 20-50 s on 2 CPU cores,
-        at the first step and once more at the first of several sequences (one sequence is a graph of its own).
-        The prompt's pass runs uncompiled, and so does the step that fills the cache, whose keys, the whole buffer,
-        have another layout (compiling it would take as long again for one step)."""
-        import torch._inductor.config as inductor  # here: importing it costs every start a second
-
-        def pass_(ids, caches):
-            return self(ids, None, n_loop, caches, True)[0]
-
-        step = torch.compile(pass_, dynamic=True, options=dict(max_autotune=True))
-
-        def next_logits(ids, caches):
-            if not caches or not 0 < caches[0].past < self.config.block_size - 1 or ids.size(1) > 1:
-                return pass_(ids, caches)  # the prompt (and a sliding window's refill); the step that fills the cache
-            with inductor.patch(freezing=True):  # read when compiling; as an option of torch.compile it is ignored
-                # a copy: the strides of idx[:, -1:] grow with the text, and one of 1 x 1 would compile it again
-                return step(ids.clone(memory_format=torch.contiguous_format), caches)
-        return next_logits
-
     def compile_blocks(self, **options):
         """torch.compile every block and the loss in place: one Block graph serves every visit at any loop count."""
         for block in (*self.transformer.prelude, *self.transformer.h, *self.transformer.coda):

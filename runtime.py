@@ -1,7 +1,7 @@
 """
-What the scripts (train.py, sample.py, bench.py, eval_downstream.py) share about running on a device: the allocator,
-the precision, timing, the MFU yardstick, and the random generators' states. Nothing here runs on import; each script
-calls what it needs.
+What the scripts (train.py, sample.py, bench.py, eval_downstream.py) share about running on a device: the
+allocator, the precision, a compiled decode step, timing, the MFU yardstick, and the random generators' states.
+Nothing here runs on import; each script calls what it needs.
 
 The precision rule (`choose_dtype`, for dtype="auto"):
     CUDA with native bfloat16 (Ampere and newer)         -> bfloat16 autocast
@@ -156,6 +156,30 @@ def precision(device, dtype, n_embd=256, rows=2048, trained_on=None):
     dtype, why = choose_dtype(device, dtype, n_embd, rows, trained_on)
     allow_tf32(device)
     return dtype, why, autocast_context(device, dtype)
+
+
+def compile_decode_step(model, n_loop=None):
+    """GPT.generate_stream's next_logits for model with each decode step (one new token per sequence, the rest read
+    from the cache) as one compiled graph: inductor autotunes every product for its few rows (max_autotune; on a CPU
+    its own GEMM kernels win over oneDNN's) and freezes the weights in as constants laid out for them (freezing), so
+    the graph keeps the weights it was compiled with: for generation only. Compiling takes 20-50 s on 2 CPU cores,
+    at the first step and once more at the first of several sequences (one sequence is a graph of its own).
+    The prompt's pass runs uncompiled, and so does the step that fills the cache, whose keys, the whole buffer,
+    have another layout (compiling it would take as long again for one step)."""
+    import torch._inductor.config as inductor  # here: importing it costs every start a second
+
+    def pass_(ids, caches):
+        return model(ids, None, n_loop, caches, True)[0]
+
+    step = torch.compile(pass_, dynamic=True, options=dict(max_autotune=True))
+
+    def next_logits(ids, caches):
+        if not caches or not 0 < caches[0].past < model.config.block_size - 1 or ids.size(1) > 1:
+            return pass_(ids, caches)  # the prompt (and a sliding window's refill); the step that fills the cache
+        with inductor.patch(freezing=True):  # read when compiling; as an option of torch.compile it is ignored
+            # a copy: the strides of idx[:, -1:] grow with the text, and one of 1 x 1 would compile it again
+            return step(ids.clone(memory_format=torch.contiguous_format), caches)
+    return next_logits
 
 
 def rng_states(device):

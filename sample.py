@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from runtime import check_device, precision, tune_malloc
+from runtime import check_device, compile_decode_step, precision, tune_malloc
 from configurator import configure, die
 from dataset import get_tokenizer, valid_text
 from model import MAX_LOOPS
@@ -39,7 +39,7 @@ device = "cuda" if torch.cuda.is_available() else "cpu"  # or cpu, cuda:1, mps
 dtype = "auto"  # auto: float32 on a CPU (see below), else the fastest on the device; or float32, bfloat16, float16
 compile = False  # torch.compile the blocks, for every kind of decoding (the lab's too); pays off for long samples
 # the whole cached decode step as one graph, autotuned for its few rows, the weights frozen in: on a 2-core Zen 4
-# half the time per token of one sequence, after 20-50 s of compiling (GPT.compile_decode_step; CUDA never tried)
+# half the time per token of one sequence, after 20-50 s of compiling (runtime.compile_decode_step; CUDA never tried)
 compile_step = False
 configure(globals(), sys.argv[1:], extra=LAB and LAB.settings)
 tune_malloc()  # before the first large allocation (runtime.tune_malloc)
@@ -97,7 +97,7 @@ if compile:
     torch._dynamo.config.fail_on_recompile_limit_hit = True
 next_logits, step_seconds = None, []
 if compile_step:
-    step = model.compile_decode_step(n_loop or None)
+    step = compile_decode_step(model, n_loop or None)
 
     def next_logits(ids, caches):
         """The compiled step, each call timed: the second is the first decode step, which compiles it."""

@@ -35,7 +35,7 @@ in, at the mean cache length of the generation) over the memory's read bandwidth
 last line per model sets the cached step of every count of sequences against it. compare_caches adds, timed alike
 through the same blocks and precision: the cached step with each kv_cache layout of lab.decode, the step at one loop,
 and the step with adaptive exit's test after every loop. gen_compile_step adds the cached step compiled as one graph
-(GPT.compile_decode_step), the time its compilation took apart.
+(runtime.compile_decode_step), the time its compilation took apart.
 The figures are wall-clock: the first line says how busy the machine was (its load average).
 """
 
@@ -49,7 +49,8 @@ import torch
 import torch._dynamo
 from torch._dynamo.backends.registry import lookup_backend
 
-from runtime import autocast_context, choose_dtype, default_peak_flops, synchronize, tune_malloc
+from runtime import (autocast_context, choose_dtype, compile_decode_step, default_peak_flops, synchronize,
+                     tune_malloc)
 from configurator import configure, die
 from model import GPT, GPTConfig
 from lab.decode import KV_CACHES, exit_logits, generate_stream, new_caches
@@ -79,7 +80,7 @@ gen_tokens = 200  # new tokens per sequence in the generation benchmark (the fir
 gen_prompt_len = 16  # past block_size - gen_prompt_len tokens the window slides: each step recomputes it all
 gen_sequences = ""  # counts of sequences to generate for, e.g. 1,8,32; empty: 1 and batch_size
 gen_uncached = True  # also time generation without the cache (at 32 sequences it takes minutes)
-# also time the cached step compiled as a whole (GPT.compile_decode_step: autotuned, the weights frozen in), its
+# also time the cached step compiled as a whole (runtime.compile_decode_step: autotuned, the weights frozen in), its
 # compilation timed apart: 20-50 s on 2 CPU cores, again for the first count of sequences above 1
 gen_compile_step = False
 compare_depths = False  # also bench n_layer * n_loop blocks x 1 loop (same unrolled FLOPs) and print the ratio
@@ -240,7 +241,7 @@ def speed_against(seconds, reference):
 def tokens_stream(model, prompt, tokens, use_cache, kv_cache="per_visit", n_loop=None, exit_test=False,
                   next_logits=None):
     """The new tokens of a generation of each of the prompt's sequences, step by step: the model's own generation
-    (through next_logits if set: GPT.compile_decode_step's), the lab's for another cache layout, or with exit_test
+    (through next_logits if set: runtime.compile_decode_step's), the lab's for another cache layout, or with exit_test
     adaptive exit's decoding with the test after every loop and no exit: lab.decode.generate_stream's pass at
     threshold 0, which no KL passes (generate_stream itself reads 0 as off)."""
     if exit_test:
@@ -306,7 +307,7 @@ def bench_generation(model, optimizer, ctx, dtype):
     print(f"memory: reads {bandwidth / 1e9:.1f} GB/s (best of sums and vector-matrix products over 256 MiB)")
     past, cache_size, weight_size = gen_prompt_len + gen_tokens / 2, getattr(torch, dtype).itemsize, \
         model.lm_head.weight.element_size()
-    ratios, compiled_step = [], model.compile_decode_step() if gen_compile_step else None
+    ratios, compiled_step = [], compile_decode_step(model) if gen_compile_step else None
     for sequences in sequence_counts:
         prompt = torch.randint(vocab_size, (sequences, gen_prompt_len), device=device)
         cached = generation_step(model, ctx, prompt, True)
@@ -328,8 +329,8 @@ def bench_generation(model, optimizer, ctx, dtype):
                     pass
             compiling = time.perf_counter() - t0
             compiled = generation_step(model, ctx, prompt, True, next_logits=compiled_step)
-            print(f"compiled step (GPT.compile_decode_step): {compiled * 1e3:.2f} ms/step ({sequences / compiled:.1f} "
-                  f"tokens/s), {compiled / floor:.2f}x the floor, {cached / compiled:.2f}x the speed of the cached "
+            print(f"compiled step (runtime.compile_decode_step): {compiled * 1e3:.2f} ms/step "
+                  f"({sequences / compiled:.1f} tokens/s), {compiled / floor:.2f}x the floor, {cached / compiled:.2f}x the speed of the cached "
                   f"step; its first step and the prompt's pass took {compiling:.1f} s (compiling)")
             ratios.append(f"compiled {compiled * 1e3:.2f} ms, {compiled / floor:.2f}x")
         if compare_caches:

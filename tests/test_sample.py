@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+import runtime
 from model import GPT, GPTConfig
 from guard import load_checkpoint
 from dataset import get_tokenizer
@@ -212,7 +213,7 @@ def test_exit_every_kl_passes_is_one_loop_and_last_loop_at_one_loop_is_per_visit
 
 @pytest.mark.parametrize("script", ["sample.py", "-m lab.sample"])
 def test_compile_step_generates_every_token_through_the_step_the_model_compiles(bytes_run, monkeypatch, script):
-    """sample.py --compile_step=True (also under lab.sample, without its settings) hands GPT.compile_decode_step's
+    """sample.py --compile_step=True (also under lab.sample, without its settings) hands runtime.compile_decode_step's
     next_logits to generation (here an uncompiled stand-in, which counts its calls: compiling is
     tests/test_greedy_tokens.py's) and says how long its first decode step took; the text is what sample.py prints
     without it."""
@@ -222,7 +223,7 @@ def test_compile_step_generates_every_token_through_the_step_the_model_compiles(
         calls.append(("made", n_loop))
         return lambda ids, caches: calls.append(ids.size(1)) or model(ids, None, n_loop, caches, True)[0]
 
-    monkeypatch.setattr(GPT, "compile_decode_step", counted_step)
+    monkeypatch.setattr(runtime, "compile_decode_step", counted_step)
     args = (f"--out_dir={bytes_run}", "--device=cpu", "--dtype=float32", "--start=The ", "--num_samples=2",
             "--max_new_tokens=30", "--top_k=1", "--n_loop=3")
     result = run(script, *args, "--compile_step=True")
