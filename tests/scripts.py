@@ -39,12 +39,17 @@ def entry(script):
 
 
 def execute(path, namespace):
-    """Run the script at path in namespace -> the exit code python would end with: a sys.exit argument that is not
-    a number printed to stderr (code 1), an uncaught exception's traceback printed (code 1)."""
+    """Run the script at path in namespace -> the exit code python would end with (exit_code)."""
     with open(path) as f:
         source = compile(f.read(), path, "exec")
+    return exit_code(lambda: exec(source, namespace))
+
+
+def exit_code(run):
+    """Call run, a script's body -> the exit code python would end with: a sys.exit argument that is not a number
+    printed to stderr (code 1), an uncaught exception's traceback printed (code 1)."""
     try:
-        exec(source, namespace)
+        run()
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             return e.code or 0

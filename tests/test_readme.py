@@ -31,6 +31,8 @@ import tempfile
 import time
 import traceback
 
+from scripts import exit_code
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the paper's and the lab's GPU models, a CPU's size: 2 blocks of width 64, context 64, 2 steps
@@ -134,16 +136,8 @@ def python_forked(args, cwd, env, timeout):
                 module = args[1] if args[0] == "-m" else None
                 sys.argv = args[1:] if module else args
                 sys.path[0] = cwd if module else os.path.dirname(os.path.abspath(args[0]))
-                if module:
-                    runpy.run_module(module, run_name="__main__", alter_sys=True)
-                else:
-                    runpy.run_path(args[0], run_name="__main__")
-                code = 0
-            except SystemExit as e:
-                if e.code is None or isinstance(e.code, int):
-                    code = e.code or 0
-                else:
-                    print(e.code, file=sys.stderr)
+                code = exit_code(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True) if module
+                                 else runpy.run_path(args[0], run_name="__main__"))
             except BaseException:
                 traceback.print_exc()
             finally:
