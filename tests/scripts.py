@@ -9,10 +9,12 @@ A script "-m lab.train" (or "-m lab.sample") runs the lesson's train.py (sample.
 the lab's entry point does.
 """
 
+import atexit
 import contextlib
 import importlib
 import io
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -153,6 +155,45 @@ def run_forked(cmd, env):
         code = Started("-m lab.train", *cmd[3:], cwd=os.getcwd(), log=log, env=env).wait()
         log.seek(0)
         return code, log.read()
+
+
+def python_forked(args, cwd, env, timeout):
+    """`python ARGS` (a script or -m module and its arguments) in cwd with env, in a child forked from this process
+    -> (its exit code, or "timeout after N s"; stdout and stderr as written)."""
+    with tempfile.TemporaryFile("w+") as log:
+        pid = os.fork()
+        if pid == 0:
+            code = 1  # the child: leaves by os._exit, never back into the caller's loop
+            try:
+                os.dup2(log.fileno(), 1)
+                os.dup2(log.fileno(), 2)
+                sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
+                os.chdir(cwd)
+                os.environ.clear()
+                os.environ.update(env)
+                atexit._clear()  # this process's exit handlers are not the script's
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                module = args[1] if args[0] == "-m" else None
+                sys.argv = args[1:] if module else args
+                sys.path[0] = cwd if module else os.path.dirname(os.path.abspath(args[0]))
+                code = exit_code(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True) if module
+                                 else runpy.run_path(args[0], run_name="__main__"))
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                atexit._run_exitfuncs()
+                sys.stdout.flush()
+                os._exit(code)
+        deadline = time.monotonic() + timeout
+        while not (waited := os.waitpid(pid, os.WNOHANG))[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                waited = None
+                break
+            time.sleep(0.01)
+        log.seek(0)
+        return (os.waitstatus_to_exitcode(waited[1]) if waited else f"timeout after {timeout} s"), log.read()
 
 
 def block_calls_counted(module, stream, eager_backend=False):

@@ -17,21 +17,16 @@ processes: their start is what is under test. Run alone, `python tests/test_read
 writes FOLDER/readme_runs.json.
 """
 
-import atexit
 import json
 import os
 import re
-import runpy
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
-import traceback
 
-from scripts import exit_code
+from scripts import python_forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -115,45 +110,6 @@ def publish_fineweb_edu(hub):
     from test_prepare_data import FINEWEB, parquet_bytes
     texts = [topics[name] for name in sorted(topics)[:60]]
     hub.add(FINEWEB, {"sample/10BT/000_00000.parquet": parquet_bytes(texts)})
-
-
-def python_forked(args, cwd, env, timeout):
-    """`python ARGS` (a script or -m module and its arguments) in cwd with env, in a child forked from this process
-    -> (its exit code, or "timeout after N s"; stdout and stderr as written)."""
-    with tempfile.TemporaryFile("w+") as log:
-        pid = os.fork()
-        if pid == 0:
-            code = 1  # the child: leaves by os._exit, never back into the caller's loop
-            try:
-                os.dup2(log.fileno(), 1)
-                os.dup2(log.fileno(), 2)
-                sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
-                os.chdir(cwd)
-                os.environ.clear()
-                os.environ.update(env)
-                atexit._clear()  # this process's exit handlers are not the script's
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-                module = args[1] if args[0] == "-m" else None
-                sys.argv = args[1:] if module else args
-                sys.path[0] = cwd if module else os.path.dirname(os.path.abspath(args[0]))
-                code = exit_code(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True) if module
-                                 else runpy.run_path(args[0], run_name="__main__"))
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                atexit._run_exitfuncs()
-                sys.stdout.flush()
-                os._exit(code)
-        deadline = time.monotonic() + timeout
-        while not (waited := os.waitpid(pid, os.WNOHANG))[0]:
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                waited = None
-                break
-            time.sleep(0.01)
-        log.seek(0)
-        return (os.waitstatus_to_exitcode(waited[1]) if waited else f"timeout after {timeout} s"), log.read()
 
 
 def run_all(folder):
