@@ -398,8 +398,9 @@ class GPT(nn.Module):
             finally:
                 self.packed_head = None
             logits = logits[:, -1, :vocab_size_limit].float()  # the softmax in float32
-            logits = (logits - logits.amax(-1, keepdim=True)) / temperature  # max at 0: no temperature overflows
             logits, top = torch.topk(logits, min(top_k, logits.size(-1))) if top_k is not None else (logits, None)
+            # max at 0: no temperature overflows; top_k's max is its first value, and only its k values are scaled
+            logits = (logits - (logits[:, :1] if top_k is not None else logits.amax(-1, keepdim=True))) / temperature
             idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx_next = idx_next if top is None else top.gather(-1, idx_next)  # top_k's: cheaper than masking the rest
             idx = torch.cat((idx, idx_next), dim=1)
