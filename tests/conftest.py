@@ -31,13 +31,24 @@ tqdm.monitor_interval = 0
 # need processes of their own for 10-30 s (gpu_check's dry run, compiled runs, a real sweep) run one after another on
 # the other core meanwhile (beside the second process below), and their tests, moved to the end of the session,
 # collect the results. A test file lists its own: EARLY = {test name: function of a private folder -> the command
-# lines after `python`, run in the repo's root one after another until one fails}.
+# lines after `python`, run in the repo's root one after another until one fails}. A script or -m module runs in a
+# child forked from the runner, which imported torch once for all of them (~2 s of CPU a run, tests/scripts.py's
+# python_forked); a `-c` line in a new python (the allocator's test is of what a new process does).
 _RUNNER = """
 import json, os, subprocess, sys, time
+sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
+from scripts import python_forked
+del sys.path[0]
 for folder, commands in json.loads(sys.argv[1]):
     with open(os.path.join(folder, "stdout.txt"), "w") as out, open(os.path.join(folder, "stderr.txt"), "w") as err:
         for command in commands:
-            returncode = subprocess.run([sys.executable, *command], stdout=out, stderr=err).returncode
+            if command[0] == "-c":
+                returncode = subprocess.run([sys.executable, *command], stdout=out, stderr=err).returncode
+            else:
+                returncode = python_forked(command, os.getcwd(), dict(os.environ), 600, out, err)
+            if isinstance(returncode, str):  # the timeout
+                print(returncode, file=err, flush=True)
+                returncode = -9
             if returncode:
                 break
     with open(os.path.join(folder, "returncode.part"), "w") as f:

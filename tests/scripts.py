@@ -2,7 +2,8 @@
 
 A subprocess costs ~3 s on the test machines before the script's first line runs (importing torch alone is 2.2 s);
 most tests run a script for a fraction of a second after that. run_script runs it here; Started runs it in a child
-forked from this process (torch already imported), for tests that signal or kill a run. Tests of what a real
+forked from this process (torch already imported), for tests that signal or kill a run; python_forked runs
+`python ARGS` so, for conftest.py's EARLY runner and the README's commands. Tests of what a real
 process does at its own start and end (DDP, torch.compile's caches) still start a new one. In-process, forked and
 subprocess runs give the same numbers: conftest.py sets the one thread that the tests' subprocesses use.
 A script "-m lab.train" (or "-m lab.sample") runs the lesson's train.py (sample.py) with the lab's Lab as its LAB, as
@@ -157,43 +158,44 @@ def run_forked(cmd, env):
         return code, log.read()
 
 
-def python_forked(args, cwd, env, timeout):
-    """`python ARGS` (a script or -m module and its arguments) in cwd with env, in a child forked from this process
-    -> (its exit code, or "timeout after N s"; stdout and stderr as written)."""
-    with tempfile.TemporaryFile("w+") as log:
-        pid = os.fork()
-        if pid == 0:
-            code = 1  # the child: leaves by os._exit, never back into the caller's loop
-            try:
-                os.dup2(log.fileno(), 1)
-                os.dup2(log.fileno(), 2)
-                sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
-                os.chdir(cwd)
-                os.environ.clear()
-                os.environ.update(env)
-                atexit._clear()  # this process's exit handlers are not the script's
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-                module = args[1] if args[0] == "-m" else None
-                sys.argv = args[1:] if module else args
-                sys.path[0] = cwd if module else os.path.dirname(os.path.abspath(args[0]))
-                code = exit_code(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True) if module
-                                 else runpy.run_path(args[0], run_name="__main__"))
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                atexit._run_exitfuncs()
-                sys.stdout.flush()
-                os._exit(code)
-        deadline = time.monotonic() + timeout
-        while not (waited := os.waitpid(pid, os.WNOHANG))[0]:
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                waited = None
-                break
-            time.sleep(0.01)
-        log.seek(0)
-        return (os.waitstatus_to_exitcode(waited[1]) if waited else f"timeout after {timeout} s"), log.read()
+def python_forked(args, cwd, env, timeout, out, err):
+    """`python ARGS` (a script or -m module and its arguments) in cwd with env, in a child forked from this process,
+    as python would run it (its sys.argv, sys.path[0], environment, exit code and exit handlers), its stdout and
+    stderr to the open files out and err (one file for both: as a terminal shows them) -> its exit code, or
+    "timeout after N s" (it was killed)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1  # the child: leaves by os._exit, never back into the caller's loop
+        try:
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            sys.stdout = open(1, "w", buffering=1, closefd=False)
+            sys.stderr = sys.stdout if out is err else open(2, "w", buffering=1, closefd=False)
+            os.chdir(cwd)
+            os.environ.clear()
+            os.environ.update(env)
+            atexit._clear()  # this process's exit handlers are not the script's
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            module = args[1] if args[0] == "-m" else None
+            sys.argv = args[1:] if module else args
+            sys.path[0] = cwd if module else os.path.dirname(os.path.abspath(args[0]))
+            code = exit_code(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True) if module
+                             else runpy.run_path(args[0], run_name="__main__"))
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while not (waited := os.waitpid(pid, os.WNOHANG))[0]:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return f"timeout after {timeout} s"
+        time.sleep(0.01)
+    return os.waitstatus_to_exitcode(waited[1])
 
 
 def block_calls_counted(module, stream, eager_backend=False):

@@ -24,6 +24,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 from scripts import python_forked
@@ -146,7 +147,10 @@ def run_all(folder):
                     env.update(ENV[command], **hub_env)
                 t0 = time.monotonic()
                 if args[0] == "python" and command not in ENV:
-                    returncode, output = python_forked(args[1:], folder, env, timeout=300)
+                    with tempfile.TemporaryFile("w+") as log:
+                        returncode = python_forked(args[1:], folder, env, 300, log, log)
+                        log.seek(0)
+                        output = log.read()
                 else:
                     try:
                         result = subprocess.run(args, cwd=folder, env=env, capture_output=True, text=True,
