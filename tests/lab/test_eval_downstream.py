@@ -20,6 +20,9 @@ from models import learned_by_heart
 from dataset import get_tokenizer
 
 from scripts import ROOT
+
+SECOND_PROCESS = True  # ~15 s of the harness's runs, beside the rest of the session (conftest.py)
+
 SCRIPT = os.path.join(ROOT, "lab", "eval_downstream.py")
 DEMO = os.path.join(ROOT, "docs", "eval_demo")
 ENC = get_tokenizer("bytes")
