@@ -13,6 +13,8 @@ from lab.flops import kv_cache_bytes
 from model import GPT, KVCache
 from models import HUGINN, perturbed, tiny
 
+SECOND_PROCESS = True  # seconds of decoding, run beside the rest of the session (conftest.py)
+
 
 def generate(model, idx, max_new_tokens, **kwargs):
     """idx and the tokens that lab.decode.generate_stream samples after it, as GPT.generate returns them."""

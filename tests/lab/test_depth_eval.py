@@ -14,6 +14,8 @@ from agreeing_loops import agree_after
 
 from scripts import ROOT
 
+SECOND_PROCESS = True  # seconds of depth_eval's runs, run beside the rest of the session (conftest.py)
+
 
 def run(script, *args, cwd):
     return run_script(script, *args, cwd=cwd)

@@ -7,6 +7,8 @@ import shutil
 
 from scripts import ROOT, run_script
 
+SECOND_PROCESS = True  # seconds of exit_eval's runs, run beside the rest of the session (conftest.py)
+
 
 def rows(stdout):
     """{name: (loops, sd, val loss, accuracy)} of exit_eval's lines, the parallel ones and then the cached ones."""

@@ -14,6 +14,8 @@ from lab.probes import visit_diagnostics
 from model import GPT
 from scripts import ROOT, run_script
 
+SECOND_PROCESS = True  # seconds of the probes' steps, run beside the rest of the session (conftest.py)
+
 SMALL = dict(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
 
 

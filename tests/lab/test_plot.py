@@ -6,6 +6,8 @@ import json
 from lab.plot import read_metrics
 from scripts import run_script
 
+SECOND_PROCESS = True  # seconds of plots drawn, run beside the rest of the session (conftest.py)
+
 
 def test_a_record_cut_short_at_the_end_is_left_out_with_a_note(tmp_path, capsys):
     path = tmp_path / "metrics.jsonl"
