@@ -330,8 +330,9 @@ def bench_generation(model, optimizer, ctx, dtype):
             compiling = time.perf_counter() - t0
             compiled = generation_step(model, ctx, prompt, True, next_logits=compiled_step)
             print(f"compiled step (runtime.compile_decode_step): {compiled * 1e3:.2f} ms/step "
-                  f"({sequences / compiled:.1f} tokens/s), {compiled / floor:.2f}x the floor, {cached / compiled:.2f}x the speed of the cached "
-                  f"step; its first step and the prompt's pass took {compiling:.1f} s (compiling)")
+                  f"({sequences / compiled:.1f} tokens/s), {compiled / floor:.2f}x the floor, {cached / compiled:.2f}x "
+                  f"the speed of the cached step; its first step and the prompt's pass took {compiling:.1f} s "
+                  f"(compiling)")
             ratios.append(f"compiled {compiled * 1e3:.2f} ms, {compiled / floor:.2f}x")
         if compare_caches:
             print("\n".join(compare_caches_lines(model, ctx, prompt)))

@@ -83,8 +83,9 @@ def test_uncached_greedy_tokens_equal_the_argmax_of_a_training_mode_forward(arch
 
 
 def test_greedy_tokens_through_the_compiled_decode_step_equal_those_recorded_before(recorded):
-    """runtime.compile_decode_step: the single-token steps of both sequences run one graph (autotuned, the weights frozen
-    in); the prompt, the step that fills the cache and the refills of the sliding window after it run uncompiled."""
+    """runtime.compile_decode_step: the single-token steps of both sequences run one graph (autotuned, the weights
+    frozen in); the prompt, the step that fills the cache and the refills of the sliding window after it run
+    uncompiled."""
     model, prompt, _ = fixture_model("preln")  # the smaller graph: compiling costs about 20 s
     steps = model.generate_stream(prompt, NEW_TOKENS, top_k=1, n_loop=2, next_logits=compile_decode_step(model, 2))
     assert torch.cat(list(steps), dim=1).tolist() == recorded["preln"]["loops2-cached"]
