@@ -284,7 +284,12 @@ def default_peak_flops(device, dtype):
         if mhz:
             return torch.get_num_threads() * mhz * 1e6 * 2 * lanes * 2, \
                 f"{torch.get_num_threads()} threads x {mhz:.0f} MHz x {simd}"
-    n = 8192 if device_type == "cuda" else 1024
+    return matmul_rate(device, dtype), "measured matmuls"
+
+
+def matmul_rate(device, dtype):
+    """FLOP/s of the fastest of ten products of two n x n matrices in dtype (n = 8192 on a GPU, 1024 on a CPU)."""
+    n = 8192 if device.split(":")[0] == "cuda" else 1024
     a = torch.full((n, n), 0.5, device=device, dtype=getattr(torch, dtype))  # no random numbers: the seeds stay put
     best = math.inf
     for _ in range(11):  # the first one warms up; the fastest of the rest is the least disturbed by other processes
@@ -293,4 +298,4 @@ def default_peak_flops(device, dtype):
         a @ a
         synchronize(device)
         best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best, "measured matmuls"
+    return 2 * n ** 3 / best
