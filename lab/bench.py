@@ -29,13 +29,15 @@ Generation: gen_tokens new tokens after a gen_prompt_len-token prompt, for 1 seq
 sequences (or the counts of gen_sequences), once with the KV cache and once recomputing the context at every step
 (gen_uncached); the figures are per step after the prompt's pass. Past block_size the window slides as generation's
 does. Compiled models generate compiled.
-A cached decode step is memory-bound: its floor is the bytes of weights and cache it must read
+A cached decode step of few sequences is memory-bound: its floor is the bytes of weights and cache it must read
 (lab.flops.decode_step_bytes: the weights at the precision they are stored in, the cache at the one the step computes
 in, at the mean cache length of the generation) over the memory's read bandwidth, measured here in the same run; a
-last line per model sets the cached step of every count of sequences against it. compare_caches adds, timed alike
-through the same blocks and precision: the cached step with each kv_cache layout of lab.decode, the step at one loop,
-and the step with adaptive exit's test after every loop. gen_compile_step adds the cached step compiled as one graph
-(runtime.compile_decode_step), the time its compilation took apart.
+last line per model sets the cached step of every count of sequences against it. Its arithmetic sets another bound,
+which can be the higher one for many sequences on few cores: its FLOPs (lab.flops.decode_step_flops) at the rate of
+the fastest of a few large matrix products in the step's precision (runtime.matmul_rate), measured alike.
+compare_caches adds, timed alike through the same blocks and precision: the cached step with each kv_cache layout of
+lab.decode, the step at one loop, and the step with adaptive exit's test after every loop. gen_compile_step adds the
+cached step compiled as one graph (runtime.compile_decode_step), the time its compilation took apart.
 The figures are wall-clock: the first line says how busy the machine was (its load average).
 """
 
@@ -54,7 +56,8 @@ from runtime import (autocast_context, choose_dtype, compile_decode_step, defaul
 from configurator import configure, die
 from model import GPT, GPTConfig
 from lab.decode import KV_CACHES, exit_logits, generate_stream, new_caches
-from lab.flops import decode_step_bytes, flops_per_token, kv_cache_bytes, read_bandwidth
+from lab.flops import (decode_step_bytes, decode_step_flops, flops_per_token, kv_cache_bytes, matmul_rate,
+                       read_bandwidth)
 
 # model
 n_layer = 2
@@ -303,8 +306,9 @@ def bench_generation(model, optimizer, ctx, dtype):
     """Generation's rows of a trained model."""
     optimizer.state.clear()  # frees the AdamW moments before generation
     model.eval()
-    bandwidth = read_bandwidth(device)
-    print(f"memory: reads {bandwidth / 1e9:.1f} GB/s (best of sums and vector-matrix products over 256 MiB)")
+    bandwidth, rate = read_bandwidth(device), matmul_rate(device, dtype)
+    print(f"memory: reads {bandwidth / 1e9:.1f} GB/s (best of sums and vector-matrix products over 256 MiB); "
+          f"computes {rate / 1e9:.3g} GFLOP/s in {dtype} (best of large square matrix products)")
     past, cache_size, weight_size = gen_prompt_len + gen_tokens / 2, getattr(torch, dtype).itemsize, \
         model.lm_head.weight.element_size()
     ratios, compiled_step = [], compile_decode_step(model) if gen_compile_step else None
@@ -312,14 +316,16 @@ def bench_generation(model, optimizer, ctx, dtype):
         prompt = torch.randint(vocab_size, (sequences, gen_prompt_len), device=device)
         cached = generation_step(model, ctx, prompt, True)
         step_bytes = decode_step_bytes(model, sequences, past, cache_size, weight_size=weight_size)
-        floor = step_bytes / bandwidth
+        step_flops = decode_step_flops(model, sequences, past)
+        floor, arithmetic = step_bytes / bandwidth, step_flops / rate
         uncached = generation_step(model, ctx, prompt, False) if gen_uncached else None
         uncached_figures = f", uncached {uncached * 1e3:.2f} ms/step ({sequences / uncached:.1f} tokens/s), cache " \
                            f"speed-up {uncached / cached:.1f}x" if uncached else ""
         print(f"generate: {gen_tokens} new tokens x {sequences} sequence{'s' if sequences > 1 else ''}: "
               f"cached {cached * 1e3:.2f} ms/step ({sequences / cached:.1f} tokens/s){uncached_figures}; a cached "
               f"step reads {step_bytes / 1e6:.3g} MB: floor {floor * 1e3:.3g} ms, cached step {cached / floor:.2f}x "
-              f"the floor")
+              f"the floor; its {step_flops / 1e6:.3g} MFLOP take {arithmetic * 1e3:.3g} ms or more "
+              f"({arithmetic / floor:.2f}x the floor)")
         ratios.append(f"{sequences} sequence{'s' if sequences > 1 else ''} {cached * 1e3:.2f} ms, "
                       f"{cached / floor:.2f}x")
         if compiled_step:

@@ -1,6 +1,7 @@
 """
 What a looped GPT costs: training FLOPs per token (runtime.flops_per_token, the yardstick of MFU in train.py and
-bench) and the bytes a cached decode step must read, with the memory bandwidth that makes them a time (the floor of the benches' decode speed).
+bench), and the bytes a cached decode step must read and the FLOPs it must compute, with the memory bandwidth and the
+matrix product rate that make them times (the floor of the benches' decode speed, and the bound its arithmetic sets).
 Counted over the unrolled visits: a loop costs its blocks' compute again although it stores no new weights.
 """
 
@@ -10,7 +11,8 @@ import time
 import torch
 
 from model import GPT
-from runtime import flops_per_token, synchronize  # noqa: F401  (training FLOPs are the lesson's)
+# training FLOPs and the matrix product rate are the lesson's, found here with the rest of what a step costs
+from runtime import flops_per_token, matmul_rate, matrix_params, synchronize  # noqa: F401
 
 
 def kv_cache_bytes(model: GPT, sequences, positions, element_size, n_loop=None, kv_cache="per_visit"):
@@ -32,6 +34,19 @@ def decode_step_bytes(model: GPT, sequences, past, element_size, n_loop=None, we
     weights = sum(p.numel() for m in (t.prelude, t.h, t.coda, t.inject) if m is not None for p in m.parameters())
     weights += model.lm_head.weight.numel()
     return weights * (weight_size or element_size) + kv_cache_bytes(model, sequences, past, element_size, n_loop)
+
+
+def decode_step_flops(model: GPT, sequences, past, n_loop=None):
+    """FLOPs of a cached decode step, runtime.flops_per_token's forward for one new token per sequence: 2 per weight of
+    each matrix product it passes (the core's at every loop, the prelude's and coda's once, concat's adapter at every
+    loop after the first, the output layer) and, in every unrolled visit, 4 * n_embd per position its attention reads
+    (the `past` cached ones and its own: the scores and the weighted sum)."""
+    cfg, t = model.config, model.transformer
+    loops = n_loop or cfg.n_loop
+    adapter = matrix_params([t.inject.adapter]) if t.inject is not None and t.inject.adapter is not None else 0
+    weights = matrix_params(t.h) * loops + matrix_params(t.prelude) + matrix_params(t.coda) + \
+        adapter * (loops - 1) + model.lm_head.weight.numel()
+    return sequences * (2 * weights + 4 * cfg.n_embd * (past + 1) * cfg.depth(loops))
 
 
 def read_bandwidth(device):

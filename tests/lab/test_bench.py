@@ -14,10 +14,11 @@ TINY = ["--n_layer=1", "--n_loop=3", "--n_head=2", "--n_embd=32", "--block_size=
         "--batch_size=2", "--warmup_steps=1", "--timed_steps=3", "--gen_tokens=8", "--gen_prompt_len=4", "--device=cpu"]
 MODEL = r"model: n_layer=(\d+) x n_loop=(\d+) \(unrolled depth 3\), n_embd 32, .*, cpu (\w+)(, compiled)?"
 TRAIN = rf"train: {NUM} tokens/s, {NUM} ms/step \(median of 3\), MFU {NUM}% of {NUM} GFLOP/s"
-MEMORY = rf"memory: reads {NUM} GB/s \(best of sums and vector-matrix products over 256 MiB\)"
+MEMORY = rf"memory: reads {NUM} GB/s \(best of sums and vector-matrix products over 256 MiB\); computes {NUM} GFLOP/s " \
+         r"in (?:float32|bfloat16) \(best of large square matrix products\)"
 GENERATE = rf"generate: 8 new tokens x (\d) sequences?: cached {NUM} ms/step \({NUM} tokens/s\), uncached {NUM} " \
            rf"ms/step \({NUM} tokens/s\), cache speed-up {NUM}x; a cached step reads {NUM} MB: floor {NUM} ms, " \
-           rf"cached step {NUM}x the floor"
+           rf"cached step {NUM}x the floor; its {NUM} MFLOP take {NUM} ms or more \({NUM}x the floor\)"
 
 
 def bench(*args):
@@ -36,6 +37,10 @@ def rows(lines):
             memory = re.fullmatch(MEMORY, lines[i + 2])
             generate = [re.fullmatch(GENERATE, lines[i + 3 + j]) for j in range(2)]
             assert model and train and memory and float(memory.group(1)) > 0 and all(generate), lines[i:i + 5]
+            for m in generate:  # the arithmetic's bound: the step's FLOPs at the rate the memory line gives
+                mflop, arithmetic_ms, ratio, floor_ms = (float(m.group(k)) for k in (10, 11, 12, 8))
+                assert arithmetic_ms == pytest.approx(mflop / float(memory.group(2)), rel=0.02)
+                assert ratio == pytest.approx(arithmetic_ms / floor_ms, rel=0.02, abs=0.006)
             found.append((model.groups(), [float(x) for x in train.groups()],
                           {int(m.group(1)): [float(x) for x in m.groups()[1:]] for m in generate}))
     return found
@@ -54,11 +59,12 @@ def test_bench_prints_throughput_mfu_and_generation_speed_for_both_depths():
     for _, train, generate in found:
         assert set(generate) == {1, 2}  # one sequence and batch_size sequences
         assert all(x > 0 for x in train + generate[1] + generate[2])
-        for sequences, (cached_ms, tokens_per_s, _, _, _, _, floor_ms, ratio) in generate.items():
+        for sequences, (cached_ms, tokens_per_s, _, _, _, _, floor_ms, ratio, *_) in generate.items():
             # the figures as printed, rounded: ms to 0.01 (a fast CPU's step is a few tenths of one), floor to 3 digits
             low_ms, high_ms = cached_ms - 0.005, cached_ms + 0.005
             assert sequences * 1000 / high_ms * 0.999 <= tokens_per_s <= sequences * 1000 / low_ms * 1.001
             assert low_ms / (floor_ms * 1.005) - 0.005 <= ratio <= high_ms / (floor_ms * 0.995) + 0.005
+        assert generate[2][8] == pytest.approx(2 * generate[1][8], rel=0.01)  # MFLOP: twice the work for 2 sequences
     m = re.fullmatch(rf"compare: n_layer=1 x n_loop=3 trains at {NUM}x the tokens/s of n_layer=3 x n_loop=1 "
                      r"\(same unrolled FLOPs\)", lines[-1])
     assert m, lines[-1]
