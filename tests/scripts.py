@@ -1,10 +1,10 @@
 """Run one of the repo's scripts (train.py, sample.py, ...) inside the test process.
 
 A subprocess costs ~3 s on the test machines before the script's first line runs (importing torch alone is 2.2 s);
-most tests run a script for a fraction of a second after that. run_script runs it here; Started runs it in a child
-forked from this process (torch already imported), for tests that signal or kill a run; python_forked runs
-`python ARGS` so, for conftest.py's EARLY runner and the README's commands. Tests of what a real
-process does at its own start and end (DDP, torch.compile's caches) still start a new one. In-process, forked and
+most tests run a script for a fraction of a second after that. run_script runs it here; fork_python runs it in a
+child forked from this process (torch already imported), as a new python would: Started for tests that signal or
+kill a run, python_forked for `python ARGS` in conftest.py's EARLY runner and the README's commands. Tests of what a
+real process does at its own start and end (DDP, torch.compile's caches) still start a new one. In-process, forked and
 subprocess runs give the same numbers: conftest.py sets the one thread that the tests' subprocesses use.
 A script "-m lab.train" (or "-m lab.sample") runs the lesson's train.py (sample.py) with the lab's Lab as its LAB, as
 the lab's entry point does.
@@ -94,35 +94,50 @@ def run_script(script, *args, cwd=ROOT, env=None):
     return subprocess.CompletedProcess([sys.executable, path, *args], code, out.getvalue(), err.getvalue())
 
 
+def fork_python(run, argv, cwd, environ, out, err):
+    """Fork a child that runs run() (a script's body -> its exit code) as a new python would run the script: sys.argv
+    argv, in cwd, with environ as its whole environment, the default SIGTERM and SIGINT handlers, none of this
+    process's exit handlers but the script's own, its stdout and stderr to the open files out and err (one file for
+    both: as a terminal shows them) -> the child's pid."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1  # the child: leaves by os._exit, never back into pytest or the caller's loop
+    try:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # not pytest's capture
+        sys.stderr = sys.stdout if out is err else open(2, "w", buffering=1, closefd=False)
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(environ)
+        atexit._clear()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as in a new python until the script sets its own
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # a lock of its own for tqdm's progress lines: tqdm's default one is a semaphore shared with this process, and
+        # a child killed while writing a line would leave it held, hanging the next run here for good
+        tqdm.set_lock(threading.RLock())
+        sys.argv = argv
+        code = run()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 class Started:
-    """python <script> <args> in cwd, forked from this process, its stdout and stderr to log (an open file):
-    subprocess.Popen's pid, returncode, poll, wait, send_signal and kill, and log. env: variables added for it."""
+    """python <script> <args> in cwd, forked from this process (fork_python), its stdout and stderr to log (an open
+    file): subprocess.Popen's pid, returncode, poll, wait, send_signal and kill, and log. env: variables added for
+    it."""
 
     def __init__(self, script, *args, cwd, log, env=None):
         self.log, self.returncode = log, None
         path, argv0, namespace = entry(script)
-        self.pid = os.fork()
-        if self.pid:
-            return
-        code = 1  # the child: never return into pytest, and leave by os._exit (no atexit of pytest's)
-        try:
-            os.dup2(log.fileno(), 1)
-            os.dup2(log.fileno(), 2)
-            sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)  # not pytest's capture
-            os.chdir(cwd)
-            os.environ.update(env or {})
-            sys.argv = [argv0, *map(str, args)]
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as in a new python until the script sets its own
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            # a lock of its own for tqdm's progress lines: tqdm's default one is a semaphore shared with this process,
-            # and a child killed while writing a line would leave it held, hanging the next run here for good
-            tqdm.set_lock(threading.RLock())
-            code = execute(path, namespace)
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            os._exit(code)
+        self.pid = fork_python(lambda: execute(path, namespace), [argv0, *map(str, args)], cwd,
+                               {**os.environ, **(env or {})}, log, log)
 
     def poll(self):
         if self.returncode is None:
@@ -159,35 +174,16 @@ def run_forked(cmd, env):
 
 
 def python_forked(args, cwd, env, timeout, out, err):
-    """`python ARGS` (a script or -m module and its arguments) in cwd with env, in a child forked from this process,
-    as python would run it (its sys.argv, sys.path[0], environment, exit code and exit handlers), its stdout and
-    stderr to the open files out and err (one file for both: as a terminal shows them) -> its exit code, or
+    """`python ARGS` (a script or -m module and its arguments) in cwd with env, forked from this process
+    (fork_python) with python's sys.path[0], its stdout and stderr to the open files out and err -> its exit code, or
     "timeout after N s" (it was killed)."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1  # the child: leaves by os._exit, never back into the caller's loop
-        try:
-            os.dup2(out.fileno(), 1)
-            os.dup2(err.fileno(), 2)
-            sys.stdout = open(1, "w", buffering=1, closefd=False)
-            sys.stderr = sys.stdout if out is err else open(2, "w", buffering=1, closefd=False)
-            os.chdir(cwd)
-            os.environ.clear()
-            os.environ.update(env)
-            atexit._clear()  # this process's exit handlers are not the script's
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            module = args[1] if args[0] == "-m" else None
-            sys.argv = args[1:] if module else args
-            sys.path[0] = cwd if module else os.path.dirname(os.path.abspath(args[0]))
-            code = exit_code(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True) if module
-                             else runpy.run_path(args[0], run_name="__main__"))
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+    module = args[1] if args[0] == "-m" else None
+
+    def run():
+        sys.path[0] = cwd if module else os.path.dirname(os.path.abspath(args[0]))
+        return exit_code(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True) if module
+                         else runpy.run_path(args[0], run_name="__main__"))
+    pid = fork_python(run, args[1:] if module else args, cwd, env, out, err)
     deadline = time.monotonic() + timeout
     while not (waited := os.waitpid(pid, os.WNOHANG))[0]:
         if time.monotonic() > deadline:
