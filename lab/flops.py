@@ -12,7 +12,7 @@ import torch
 
 from model import GPT
 # training FLOPs and the matrix product rate are the lesson's, found here with the rest of what a step costs
-from runtime import flops_per_token, matmul_rate, matrix_params, synchronize  # noqa: F401
+from runtime import flops_per_token, matmul_rate, synchronize  # noqa: F401
 
 
 def kv_cache_bytes(model: GPT, sequences, positions, element_size, n_loop=None, kv_cache="per_visit"):
@@ -37,16 +37,13 @@ def decode_step_bytes(model: GPT, sequences, past, element_size, n_loop=None, we
 
 
 def decode_step_flops(model: GPT, sequences, past, n_loop=None):
-    """FLOPs of a cached decode step, runtime.flops_per_token's forward for one new token per sequence: 2 per weight of
-    each matrix product it passes (the core's at every loop, the prelude's and coda's once, concat's adapter at every
-    loop after the first, the output layer) and, in every unrolled visit, 4 * n_embd per position its attention reads
-    (the `past` cached ones and its own: the scores and the weighted sum)."""
-    cfg, t = model.config, model.transformer
+    """FLOPs of a cached decode step: for each sequence, the forward of one token (runtime.flops_per_token's count
+    for a step tracked through every loop is 3 forwards: 2 FLOPs per matrix weight forward, 4 backward), its
+    attention in every unrolled visit over past + 1 positions (the cached ones and its own) instead of block_size."""
+    cfg = model.config
     loops = n_loop or cfg.n_loop
-    adapter = matrix_params([t.inject.adapter]) if t.inject is not None and t.inject.adapter is not None else 0
-    weights = matrix_params(t.h) * loops + matrix_params(t.prelude) + matrix_params(t.coda) + \
-        adapter * (loops - 1) + model.lm_head.weight.numel()
-    return sequences * (2 * weights + 4 * cfg.n_embd * (past + 1) * cfg.depth(loops))
+    forward = flops_per_token(model, loops) // 3
+    return sequences * (forward - 4 * cfg.n_embd * (cfg.block_size - past - 1) * cfg.depth(loops))
 
 
 def read_bandwidth(device):
