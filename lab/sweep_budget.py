@@ -381,7 +381,8 @@ def plot(cfg, losses, gaps, gains, lines_of, tokens, pairs, checked_gaps, checke
                 ax.plot(span, line[0] * np.log10(span) + line[1], color=colors[s], lw=0.7, ls=":")
         ax.axhline(0, color="black", lw=0.8)
         ax.set(xscale="log", xlabel="training tokens", ylabel="nats", title=title)
-        ax.legend(fontsize=6)
+        if ax.get_legend_handles_labels()[0]:  # no legend where nothing could be subtracted yet
+            ax.legend(fontsize=6)
     for ax in axes:  # a log axis that spans less than a decade labels its minor ticks, and they overlap
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     fig.tight_layout()
