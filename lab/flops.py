@@ -37,9 +37,9 @@ def decode_step_bytes(model: GPT, sequences, past, element_size, n_loop=None, we
 
 
 def decode_step_flops(model: GPT, sequences, past, n_loop=None):
-    """FLOPs of a cached decode step: for each sequence, the forward of one token (runtime.flops_per_token's count
-    for a step tracked through every loop is 3 forwards: 2 FLOPs per matrix weight forward, 4 backward), its
-    attention in every unrolled visit over past + 1 positions (the cached ones and its own) instead of block_size."""
+    """FLOPs of a cached decode step: per sequence, the forward of one token, a third of runtime.flops_per_token's
+    count for a step tracked through every loop (2 FLOPs per matrix weight forward, 4 backward), with each unrolled
+    visit's attention over past + 1 positions (the cached ones and its own) in place of block_size."""
     cfg = model.config
     loops = n_loop or cfg.n_loop
     forward = flops_per_token(model, loops) // 3
