@@ -24,12 +24,12 @@ PAPER_TOKENS = 100_000 * 480 * 1024  # the paper's 100K steps of 480 sequences o
 
 
 def neighbours(lr, rates):
-    """The grid's rates on each side of lr; past the grid's edge, one more step of its spacing."""
+    """The grid's nearest rates on each side of lr (which need not be on the grid); past the grid's edge, one more
+    step of its spacing."""
     rates = sorted(rates)
-    i = rates.index(lr)
     step = rates[1] / rates[0] if len(rates) > 1 else 3.0
-    below = rates[i - 1] if i > 0 else lr / step
-    above = rates[i + 1] if i + 1 < len(rates) else lr * step
+    below = max((r for r in rates if r < lr), default=lr / step)
+    above = min((r for r in rates if r > lr), default=lr * step)
     return [float(f"{below:.3g}"), float(f"{above:.3g}")]
 
 
@@ -44,12 +44,13 @@ def rate_walk(chosen, rates, mean_at, max_moves=3):
     """The rate a long budget's verdict takes, found on every long seed: the chosen rate and the grid's neighbours on
     each side run on every seed, the lowest mean wins (the chosen rate on a tie), and where a neighbour won, its own
     far neighbour runs too, until the best rate's two neighbours are both worse (at most max_moves moves; past the
-    grid's edge, one more step of its spacing, and no further). mean_at(lr): the mean final val loss over the long
+    grid's edge, one more step of its spacing, and no further). A chosen rate off the grid (a walk that starts where
+    another one ended past the edge) is bracketed all the same. mean_at(lr): the mean final val loss over the long
     seeds, None while one of them has not run, inf where one diverged. -> (the best rate so far, the rates the walk
     has asked for in order, done: True once no rate is still wanted)."""
     asked, best = [], chosen
     for _ in range(max_moves + 1):
-        around = [best, *neighbours(best, rates)] if best in rates else [best]
+        around = [best, *neighbours(best, rates)] if best in rates or best == chosen else [best]
         for lr in around:
             if lr not in asked:
                 asked.append(lr)

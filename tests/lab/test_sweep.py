@@ -605,6 +605,10 @@ def test_the_rate_walk_brackets_the_lowest_mean_on_every_seed():
     assert rate_walk(3e-3, rates, lambda lr: math.inf if lr != 3e-3 else 2.0)[0] == 3e-3  # diverged: never best
     # past the grid's edge one step of its spacing and no further: 3e-2 is off the grid, its neighbours not asked for
     assert rate_walk(1e-2, rates, lambda lr: 1.0 / lr) == (3e-2, [1e-2, 3e-3, 3e-2], True)
+    # a start off the grid is bracketed: the grid's nearest rate below, one spacing step above; there it stops
+    assert rate_walk(0.03, rates, lambda lr: 1.0) == (0.03, [0.03, 1e-2, 0.09], True)
+    assert rate_walk(0.03, rates, lambda lr: 1.0 / lr) == (0.09, [0.03, 1e-2, 0.09], True)
+    assert rate_walk(5e-3, rates, lambda lr: abs(lr - 1e-2)) == (1e-2, [5e-3, 3e-3, 1e-2, 3e-2], True)
 
 
 def test_budget_mode_walks_each_long_rate_on_every_long_seed_and_tables_it(tmp_path, forked_runs):
