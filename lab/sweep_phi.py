@@ -5,6 +5,8 @@ How many unique blocks is a loop worth, under DeepLoop and under Pre-LN, and doe
     python -m lab.sweep_phi --widths=64 --seeds=0,1  # any part of it, by override
     python -m lab.sweep_phi --report_only=True       # the tables and the plot of the runs finished so far
     python -m lab.sweep_phi --results_from=docs/runs/phi_study_runs.jsonl   # go on from a study's committed runs
+    python -m lab.sweep_phi --widths=64 --budgets=8000,24000,54000 --results_from=docs/runs/phi_budgets_runs.jsonl
+                                                     # the same as training grows, to one pass over the corpus
 
 Three shapes on the paper's block (`+paper`: RMSNorm, RoPE, normalized branch input) at the same number of steps:
 2 blocks run once (2x1), the same 2 blocks looped 3 times (2x3), and 6 unique blocks run once (6x1, the unrolled
@@ -28,6 +30,13 @@ until the best rate has both neighbours run); the other seeds then run at that r
 the final checkpoint's loss on the whole test split (every byte once, in windows of block_size), which nothing was
 chosen on. A run's test loss is computed once, after it trains, and kept in its result.json.
 
+Budgets. With several (--budgets=8000,24000,54000), each budget is a study of its own whose walks start where the
+same cell's walk ended at the budget before (the first budget's as above), and the report adds, for each difference
+DeepLoop minus Pre-LN (L(2x3), the loop gain L(2x1) - L(2x3), phi), its interval at every budget, its slope per
+tenfold bytes (each seed's least-squares slope, then their t-interval) and a verdict: the lead persists, reverses,
+fades, or cannot be told yet (out_dir/budgets.png plots them). The longest budget's runs are started first once their
+walks can start: the long end decides the question.
+
 Runs are lab.sweep's (lab/sweep_runs.py): one folder each under out_dir/<cell>/runs (cell: w64_2x3, say), result.json
 when done, a checkpoint every checkpoint_minutes to resume from after a stop (SIGTERM or Ctrl-C: the runs stop with
 their checkpoints, "stopped; resume with: ..."), every setting and the machine recorded and compared on reuse. The
@@ -45,7 +54,7 @@ import numpy as np
 
 from configurator import configure, die, require
 from dataset import HEADER_BYTES, load_meta
-from lab.sweep_budget import fmt, mean_std, neighbours, rate_walk, t_interval
+from lab.sweep_budget import coverage, fmt, mean_std, neighbours, rate_walk, t_interval
 from lab.sweep_runs import Runs, variant_settings, write_json
 from prepare_data import prepare
 
@@ -60,7 +69,8 @@ start_rate = 3e-3         # where the first width's walks start (the budget stud
 #                           at the rate the first width's walk found for its scheme and shape
 seeds = "0,1,2"
 walk_seeds = "0,1"        # the seeds every rate a walk asks for runs on; the others run at the walk's best rate only
-max_iters = 8000          # 4.1M bytes a run at 8 x 64: the whole study in about 10 CPU-hours (docs/text.md)
+budgets = "8000"          # the steps of a run, one budget each, comma-separated: 8,000 steps read 4.1M bytes at 8 x 64
+#                           (the whole study at one budget, both widths, in about 10 CPU-hours: docs/text.md)
 block_size = 64
 batch_size = 8
 warmup_iters = 100
@@ -120,6 +130,9 @@ def test_loss(run_dir, data_dir, block_size, batch=128):
 # -----------------------------------------------------------------------------------------------------------------
 scheme_list, seed_list, walk_seed_list = schemes.split(","), numbers("seeds", int), numbers("walk_seeds", int)
 width_list, lr_list = numbers("widths", int), numbers("learning_rates", float)
+budget_list = numbers("budgets", int)
+if budget_list != sorted(set(budget_list)) or budget_list[0] < 1:
+    die(f"budgets must be positive step counts in increasing order, got {budgets!r}")
 if sorted(shapes.split(",")) != sorted(SHAPES_NEEDED):
     die(f"shapes must be {','.join(SHAPES_NEEDED)} (phi needs all three), got {shapes!r}")
 if not set(walk_seed_list) <= set(seed_list):
@@ -143,7 +156,7 @@ def make_runs(width, shape, stop_with=None):
     kw = dict(out_dir=os.path.join(out_dir, f"w{width}_{shape}"), mode="phi", on_chains=False, dataset=dataset,
               mode_budget={}, depth_config=None, variant_settings=variant_settings, loop_list=[shape_of(shape)[1]],
               checkpoint_minutes=checkpoint_minutes, n_layer=n_layer, n_head=width // head_size, n_embd=width,
-              block_size=block_size, batch_size=batch_size, max_iters=max_iters, warmup_iters=warmup_iters,
+              block_size=block_size, batch_size=batch_size, max_iters=budget_list[-1], warmup_iters=warmup_iters,
               eval_iters=eval_iters)
     return Runs(**kw, defaults=Runs(**kw), stop_with=stop_with)
 
@@ -156,18 +169,18 @@ if results_from:
     for (width, shape), runner in runners.items():
         taken, total = runner.import_results(results_from, cell=f"w{width}_{shape}")
         print(f"{results_from}: {taken} of its {total} runs of w{width}_{shape} taken as done", flush=True)
-results = {}  # (width, shape, scheme, lr, seed) -> result, with test_loss
+results = {}  # (steps, width, shape, scheme, lr, seed) -> result, with test_loss
 
 
-def job(width, shape, scheme, lr, seed):
-    return scheme, shape_of(shape)[1], 0.0, lr, seed, max_iters
+def job(steps, width, shape, scheme, lr, seed):
+    return scheme, shape_of(shape)[1], 0.0, lr, seed, steps
 
 
 def with_test_loss(key, result):
     """The result with its test loss, computed once and written into its result.json."""
     if result is None or result.get("val_loss") is None or "test_loss" in result:
         return result
-    width, shape = key[:2]
+    width, shape = key[1:3]
     run_dir = os.path.join(out_dir, f"w{width}_{shape}", "runs", result["name"])
     result = dict(result, cell=f"w{width}_{shape}")
     result["test_loss"], result["test_tokens"] = test_loss(run_dir, data_dir, block_size)
@@ -175,17 +188,20 @@ def with_test_loss(key, result):
     return result
 
 
-def walk(width, shape, scheme):
-    """(best rate so far, the rates the walk asked for, done) of one cell's walk on the walk seeds; None while the
-    first width's walk, where this one starts, is not done."""
+def walk(steps, width, shape, scheme):
+    """(best rate so far, the rates the walk asked for, done) of one cell's walk on the walk seeds at a budget; None
+    while the walk where this one starts is not done: at the first budget the first width's (start_rate for the first
+    width itself), at a later budget the same cell's at the budget before."""
     start = start_rate
-    if width != width_list[0]:
-        start, _, done = walk(width_list[0], shape, scheme)
-        if not done:
+    if steps != budget_list[0] or width != width_list[0]:
+        previous = walk(budget_list[budget_list.index(steps) - 1], width, shape, scheme) if steps != budget_list[0] \
+            else walk(steps, width_list[0], shape, scheme)
+        if previous is None or not previous[2]:
             return None
+        start = previous[0]
 
     def mean_at(lr):
-        runs = [results.get((width, shape, scheme, lr, seed)) for seed in walk_seed_list]
+        runs = [results.get((steps, width, shape, scheme, lr, seed)) for seed in walk_seed_list]
         if None in runs:
             return None
         losses = [run["val_loss"] for run in runs]
@@ -194,18 +210,21 @@ def walk(width, shape, scheme):
 
 
 def wanted():
-    """The runs the study wants now, most wanted first: width by width, each cell's walk, then its other seeds at the
+    """The runs the study wants now, most wanted first: the longest budget whose walks can start (the long end
+    decides how a difference moves with training), width by width, each cell's walk, then its other seeds at the
     walk's best rate; the deepest shapes first within a width, so that the last minutes are not one long run."""
     jobs = []
-    for width in width_list:
-        for shape in sorted(SHAPES_NEEDED, key=lambda s: -np.prod(shape_of(s))):
-            for scheme in scheme_list:
-                if (walked := walk(width, shape, scheme)) is None:
-                    continue
-                best, asked, done = walked
-                jobs += [(width, shape, scheme, lr, seed) for lr in asked for seed in walk_seed_list]
-                if done:
-                    jobs += [(width, shape, scheme, best, seed) for seed in seed_list if seed not in walk_seed_list]
+    for steps in reversed(budget_list):
+        for width in width_list:
+            for shape in sorted(SHAPES_NEEDED, key=lambda s: -np.prod(shape_of(s))):
+                for scheme in scheme_list:
+                    if (walked := walk(steps, width, shape, scheme)) is None:
+                        continue
+                    best, asked, done = walked
+                    jobs += [(steps, width, shape, scheme, lr, seed) for lr in asked for seed in walk_seed_list]
+                    if done:
+                        jobs += [(steps, width, shape, scheme, best, seed) for seed in seed_list
+                                 if seed not in walk_seed_list]
     return [key for key in jobs if key not in results]
 
 
@@ -214,7 +233,7 @@ def collect():
     while True:
         found = False
         for key in wanted():
-            if (result := runners[key[:2]].done(*job(*key))) is not None:
+            if (result := runners[key[1:3]].done(*job(*key))) is not None:
                 results[key] = with_test_loss(key, result)
                 found = True
         if not found:
@@ -231,7 +250,7 @@ if not report_only:
             pending = [key for key in wanted() if key not in running.values()]
             while len(running) < workers and pending and not first.stopping:
                 key = pending.pop(0)
-                running[pool.submit(lambda k: with_test_loss(k, runners[k[:2]].train(*job(*k))), key)] = key
+                running[pool.submit(lambda k: with_test_loss(k, runners[k[1:3]].train(*job(*k))), key)] = key
             if not running:
                 break
             finished, _ = wait(running, return_when=FIRST_COMPLETED)
@@ -243,22 +262,29 @@ if not report_only:
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# the report: the walks, the losses at each walk's rate, phi and its differences, every run
+# the report: at each budget the walks, the losses at each walk's rate, phi and its differences; across budgets how
+# DeepLoop's differences move with the bytes read; every run
 
-def seed_losses(width, shape, scheme, field="test_loss"):
-    """{seed: loss} of a cell at its walk's best rate, once the walk is done; {} before."""
-    walked = walk(width, shape, scheme)
+def seed_losses(steps, width, shape, scheme, field="test_loss"):
+    """{seed: loss} of a cell at its walk's best rate at a budget, once the walk is done; {} before."""
+    walked = walk(steps, width, shape, scheme)
     if not walked or not walked[2]:
         return {}
-    runs = {seed: results.get((width, shape, scheme, walked[0], seed)) for seed in seed_list}
+    runs = {seed: results.get((steps, width, shape, scheme, walked[0], seed)) for seed in seed_list}
     return {seed: run[field] for seed, run in runs.items() if run and run.get(field) is not None}
 
 
-def seed_phis(width, scheme):
+def seed_phis(steps, width, scheme):
     """{seed: phi} over the seeds that have all three shapes."""
-    short, looped, deep = (seed_losses(width, shape, scheme) for shape in SHAPES_NEEDED)
+    short, looped, deep = (seed_losses(steps, width, shape, scheme) for shape in SHAPES_NEEDED)
     return {seed: phi(short[seed], looped[seed], deep[seed]) for seed in seed_list
             if seed in short and seed in looped and seed in deep}
+
+
+def seed_loop_gains(steps, width, scheme):
+    """{seed: L(2x1) - L(2x3)}, what the loops gain, over the seeds that have both shapes."""
+    short, looped = seed_losses(steps, width, "2x1", scheme), seed_losses(steps, width, "2x3", scheme)
+    return {seed: short[seed] - looped[seed] for seed in short if seed in looped}
 
 
 def paired(a, b):
@@ -266,92 +292,173 @@ def paired(a, b):
     return t_interval([a[seed] - b[seed] for seed in a if seed in b])
 
 
+def minus(a, b):
+    """{seed: a - b} over the seeds both have."""
+    return {seed: a[seed] - b[seed] for seed in a if seed in b}
+
+
 def fmt_phi(stat):
     return fmt(stat).replace("+", "") if stat else "—"
 
 
-lines = [f"# How much is a loop worth? (`python -m lab.sweep_phi`)", "",
-         f"data/{dataset}: train {meta['tokens']['train']:,} bytes, val {meta['tokens']['val']:,}, test "
-         f"{meta['tokens']['test']:,} (SHA-256 of test {meta['split_sha256']['test'][:16]}..., of train "
-         f"{meta['split_sha256']['train'][:16]}...); {max_iters:,} steps of {batch_size} x {block_size} bytes, "
-         f"warmup {warmup_iters}, float32, one thread a run; heads of {head_size}; rates chosen on the mean final val "
-         f"loss ({eval_iters} batches) of seeds {walk_seeds}, every loss below on the whole test split.", "",
-         "## The rate walks", "", "| width | shape | scheme | rates: mean val loss on the walk seeds | rate |",
-         "|---|---|---|---|---|"]
-for width in width_list:
-    for shape in SHAPES_NEEDED:
+def slope(by_budget):
+    """The slope per tenfold bytes of a difference measured seed by seed at several budgets: each seed's least-squares
+    line through (log10 bytes, difference) over the budgets it has all of, and the t_interval of those slopes (paired
+    by seed, like every difference here); None where no seed has two budgets. by_budget: {steps: {seed: value}}."""
+    slopes = []
+    for seed in seed_list:
+        points = [(math.log10(steps * batch_size * block_size), values[seed])
+                  for steps, values in sorted(by_budget.items()) if seed in values]
+        if len(points) == len(by_budget) >= 2:
+            x, y = np.array(points).T
+            slopes.append(float(np.polyfit(x, y, 1)[0]))
+    return t_interval(slopes)
+
+
+def verdict(name, lead_sign, by_budget):
+    """A plain sentence on how DeepLoop's lead in one difference moves with training. lead_sign: +1 where a positive
+    difference is DeepLoop's lead (phi, the loop gain), -1 where a negative one is (a loss). The lead persists where
+    the longest budget's interval is on the lead's side of zero, reverses where it is on the other side, fades where
+    the slope's interval is against the lead and the longest budget's interval holds zero; else it cannot be told
+    yet."""
+    last = max(by_budget)
+    at_last, trend = t_interval(list(by_budget[last].values())), slope(by_budget)
+    where = f"at {last:,} steps ({last * batch_size * block_size / 1e6:.1f}M bytes: {fmt(at_last)})"
+    if at_last is None or math.isnan(at_last[1]):
+        return f"{name}: cannot be told yet: {where}, too few seeds there for an interval."
+    low, high = sorted(lead_sign * np.array([at_last[0] - at_last[1], at_last[0] + at_last[1]]))
+    trend_text = f"slope {fmt(trend)} per tenfold bytes" if trend else "no slope (one budget)"
+    if low > 0:
+        return f"{name}: the lead persists {where}; {trend_text}."
+    if high < 0:
+        return f"{name}: the lead reverses {where}; {trend_text}."
+    if trend and not math.isnan(trend[1]) and max(lead_sign * (trend[0] - trend[1]),
+                                                   lead_sign * (trend[0] + trend[1])) < 0:
+        return f"{name}: the lead fades: {trend_text}, and {where} the interval holds zero."
+    return (f"{name}: cannot be told yet: {where} the interval holds zero and the {trend_text} does not exclude zero; "
+            f"seeds 3 and 4 at {last:,} steps, or a longer budget, would tell it.")
+
+
+lines = [f"# How much is a loop worth? (`python -m lab.sweep_phi`)", ""]
+budget_text = ", ".join(f"{steps:,}" for steps in budget_list)
+lines += [f"data/{dataset}: train {meta['tokens']['train']:,} bytes, val {meta['tokens']['val']:,}, test "
+          f"{meta['tokens']['test']:,} (SHA-256 of test {meta['split_sha256']['test'][:16]}..., of train "
+          f"{meta['split_sha256']['train'][:16]}...); {budget_text} steps of {batch_size} x {block_size} bytes, "
+          f"warmup {warmup_iters}, float32, one thread a run; heads of {head_size}; rates chosen on the mean final val "
+          f"loss ({eval_iters} batches) of seeds {walk_seeds}, every loss below on the whole test split.", ""]
+if len(budget_list) > 1:
+    lines += ["Windows are drawn with replacement; what each budget reads of the training split (seed 0's draws):",
+              "", "| steps | bytes read | share of the split ever read | share of the bytes read that were read before |",
+              "|---|---|---|---|"]
+    for steps in budget_list:
+        seen, repeat = coverage(data_dir, block_size, batch_size, steps)
+        lines.append(f"| {steps:,} | {steps * batch_size * block_size / 1e6:.1f}M | {seen:.1%} | {repeat:.1%} |")
+    lines.append("")
+phis, gains, looped_losses = {}, {}, {}  # (steps, width, scheme) -> {seed: value}
+for steps in budget_list:
+    at = f" at {steps:,} steps" if len(budget_list) > 1 else ""
+    lines += [f"## The rate walks{at}", "", "| width | shape | scheme | rates: mean val loss on the walk seeds | rate |",
+              "|---|---|---|---|---|"]
+    for width in width_list:
+        for shape in SHAPES_NEEDED:
+            for scheme in scheme_list:
+                walked = walk(steps, width, shape, scheme)
+                if walked is None:
+                    continue
+                best, asked, done = walked
+                cells_text = []
+                for lr in sorted(asked):
+                    vals = [results[steps, width, shape, scheme, lr, seed]["val_loss"] for seed in walk_seed_list
+                            if (steps, width, shape, scheme, lr, seed) in results]
+                    shown = "—" if not vals else "diverged" if None in vals else f"{np.mean(vals):.4f}"
+                    cells_text.append(f"{lr:g}: {shown}" + ("" if len(vals) == len(walk_seed_list) else " (part)"))
+                lines.append(f"| {width} | {shape} | {scheme} | {'; '.join(cells_text)} | "
+                             f"{f'**{best:g}**' if done else 'walking'} |")
+    lines += ["", f"## Test loss at each walk's rate{at} (mean ± std over seeds)", "",
+              "| width | scheme | " + " | ".join(SHAPES_NEEDED) + " | machines |", "|---|---|" + "---|" * 4]
+    for width in width_list:
         for scheme in scheme_list:
-            walked = walk(width, shape, scheme)
-            if walked is None:
+            stats = [mean_std(list(seed_losses(steps, width, shape, scheme).values())) for shape in SHAPES_NEEDED]
+            cpus = sorted({(m or {}).get("cpu", "?") for shape in SHAPES_NEEDED
+                           for key, run in results.items() if key[:4] == (steps, width, shape, scheme)
+                           for m in run.get("machines") or [None]})
+            lines.append(f"| {width} | {scheme} | " + " | ".join(
+                "—" if not st else f"{st[0]:.4f} ± {st[1]:.4f} ({st[2]})" for st in stats) + f" | {'; '.join(cpus)} |")
+    lines += ["", f"## phi = (L(2x1) - L(2x3)) / (L(2x1) - L(6x1)) on the test split{at}", "",
+              "phi: mean ± 95% half-width (seeds, p of phi = 0); 2 * 3^phi: the unique blocks the looped model acts "
+              "as.", "", "| width | scheme | phi by seed | phi | 2 * 3^phi | L(2x1) - L(6x1) |", "|---|---|---|---|---|---|"]
+    for width in width_list:
+        for scheme in scheme_list:
+            by_seed = phis[steps, width, scheme] = seed_phis(steps, width, scheme)
+            gains[steps, width, scheme] = seed_loop_gains(steps, width, scheme)
+            looped_losses[steps, width, scheme] = seed_losses(steps, width, "2x3", scheme)
+            stat = t_interval(list(by_seed.values()))
+            depth_gain = paired(seed_losses(steps, width, "2x1", scheme), seed_losses(steps, width, "6x1", scheme))
+            lines.append(f"| {width} | {scheme} | {', '.join(f'{v:.3f}' for v in by_seed.values()) or '—'} | "
+                         f"{fmt_phi(stat)} | {f'{2 * 3 ** stat[0]:.2f}' if stat and abs(stat[0]) < 3 else '—'} | "
+                         f"{fmt(depth_gain)} |")
+    lines += ["", "phi with the looped model one rate step off its walk's rate (2x1 and 6x1 at theirs; the walk seeds, "
+                  "by seed and mean):", "", "| width | scheme | lower rate | higher rate |", "|---|---|---|---|"]
+    for width in width_list:
+        for scheme in scheme_list:
+            walked = walk(steps, width, "2x3", scheme)
+            if not phis[steps, width, scheme] or not walked:
                 continue
-            best, asked, done = walked
-            cells_text = []
-            for lr in sorted(asked):
-                vals = [results[width, shape, scheme, lr, seed]["val_loss"] for seed in walk_seed_list
-                        if (width, shape, scheme, lr, seed) in results]
-                shown = "—" if not vals else "diverged" if None in vals else f"{np.mean(vals):.4f}"
-                cells_text.append(f"{lr:g}: {shown}" + ("" if len(vals) == len(walk_seed_list) else " (part)"))
-            lines.append(f"| {width} | {shape} | {scheme} | {'; '.join(cells_text)} | "
-                         f"{f'**{best:g}**' if done else 'walking'} |")
-lines += ["", "## Test loss at each walk's rate (mean ± std over seeds)", "",
-          "| width | scheme | " + " | ".join(SHAPES_NEEDED) + " | machines |", "|---|---|" + "---|" * 4]
-for width in width_list:
-    for scheme in scheme_list:
-        stats = [mean_std(list(seed_losses(width, shape, scheme).values())) for shape in SHAPES_NEEDED]
-        cpus = sorted({(m or {}).get("cpu", "?") for shape in SHAPES_NEEDED
-                       for key, run in results.items() if key[:3] == (width, shape, scheme)
-                       for m in run.get("machines") or [None]})
-        lines.append(f"| {width} | {scheme} | " + " | ".join(
-            "—" if not st else f"{st[0]:.4f} ± {st[1]:.4f} ({st[2]})" for st in stats) + f" | {'; '.join(cpus)} |")
-lines += ["", "## phi = (L(2x1) - L(2x3)) / (L(2x1) - L(6x1)) on the test split", "",
-          "phi: mean ± 95% half-width (seeds, p of phi = 0); 2 * 3^phi: the unique blocks the looped model acts as.", "",
-          "| width | scheme | phi by seed | phi | 2 * 3^phi | L(2x1) - L(6x1) |", "|---|---|---|---|---|---|"]
-phis = {(width, scheme): seed_phis(width, scheme) for width in width_list for scheme in scheme_list}
-for (width, scheme), by_seed in phis.items():
-    stat = t_interval(list(by_seed.values()))
-    depth_gain = t_interval([d for d in (seed_losses(width, "2x1", scheme).get(seed, math.nan)
-                                         - seed_losses(width, "6x1", scheme).get(seed, math.nan)
-                                         for seed in seed_list) if not math.isnan(d)])
-    lines.append(f"| {width} | {scheme} | {', '.join(f'{v:.3f}' for v in by_seed.values()) or '—'} | {fmt_phi(stat)} "
-                 f"| {f'{2 * 3 ** stat[0]:.2f}' if stat and abs(stat[0]) < 3 else '—'} | {fmt(depth_gain)} |")
-lines += ["", "phi with the looped model one rate step off its walk's rate (2x1 and 6x1 at theirs; the walk seeds, by "
-              "seed and mean):", "", "| width | scheme | lower rate | higher rate |", "|---|---|---|---|"]
-for (width, scheme), by_seed in phis.items():
-    walked = walk(width, "2x3", scheme)
-    if not by_seed or not walked:
-        continue
-    shifted = []
-    for lr in neighbours(walked[0], sorted(set(lr_list) | {walked[0]})):
-        looped = {seed: results.get((width, "2x3", scheme, lr, seed), {}).get("test_loss") for seed in walk_seed_list}
-        short, deep = seed_losses(width, "2x1", scheme), seed_losses(width, "6x1", scheme)
-        values = [phi(short[seed], loss, deep[seed]) for seed, loss in looped.items()
-                  if loss is not None and seed in short and seed in deep]
-        shifted.append(f"{lr:g}: {', '.join(f'{v:.3f}' for v in values)} (mean {np.mean(values):.3f})"
-                       if values else f"{lr:g}: —")
-    lines.append(f"| {width} | {scheme} | " + " | ".join(shifted + ["—"] * (2 - len(shifted))) + " |")
-if len(scheme_list) == 2:
+            shifted = []
+            for lr in neighbours(walked[0], lr_list):
+                looped = {seed: results.get((steps, width, "2x3", scheme, lr, seed), {}).get("test_loss")
+                          for seed in walk_seed_list}
+                short, deep = seed_losses(steps, width, "2x1", scheme), seed_losses(steps, width, "6x1", scheme)
+                values = [phi(short[seed], loss, deep[seed]) for seed, loss in looped.items()
+                          if loss is not None and seed in short and seed in deep]
+                shifted.append(f"{lr:g}: {', '.join(f'{v:.3f}' for v in values)} (mean {np.mean(values):.3f})"
+                               if values else f"{lr:g}: —")
+            lines.append(f"| {width} | {scheme} | " + " | ".join(shifted + ["—"] * (2 - len(shifted))) + " |")
+    if len(scheme_list) == 2:
+        other, base = scheme_list[1], scheme_list[0]
+        lines += ["", f"## {other} minus {base}{at}", "", "Paired by seed: test loss at each shape, and phi.", "",
+                  "| width | " + " | ".join(SHAPES_NEEDED) + " | phi |", "|---|" + "---|" * 4]
+        diffs = {width: minus(phis[steps, width, other], phis[steps, width, base]) for width in width_list}
+        for width, d in diffs.items():
+            shape_gaps = [paired(seed_losses(steps, width, shape, other), seed_losses(steps, width, shape, base))
+                          for shape in SHAPES_NEEDED]
+            lines.append(f"| {width} | " + " | ".join(fmt(gap) for gap in shape_gaps)
+                         + f" | {fmt(t_interval(list(d.values())))} |")
+        if len(width_list) == 2:
+            lines += ["", f"Change of the difference from width {width_list[0]} to {width_list[1]} (paired by seed): "
+                          f"{fmt(paired(diffs[width_list[1]], diffs[width_list[0]]))}."]
+    lines.append("")
+# across budgets: each difference DeepLoop minus Pre-LN, seed by seed, at every budget
+QUANTITIES = (("L(2x3)", -1, looped_losses), ("the loop gain L(2x1) - L(2x3)", 1, gains), ("phi", 1, phis))
+across = {}  # (quantity, width) -> {steps: {seed: difference}}
+if len(budget_list) > 1 and len(scheme_list) == 2:
     other, base = scheme_list[1], scheme_list[0]
-    lines += ["", f"## {other} minus {base}", "", "Paired by seed: test loss at each shape, and phi.", "",
-              "| width | " + " | ".join(SHAPES_NEEDED) + " | phi |", "|---|" + "---|" * 4]
-    diffs = {width: {seed: phis[width, other][seed] - phis[width, base][seed] for seed in phis[width, other]
-                     if seed in phis[width, base]} for width in width_list}
-    for width, d in diffs.items():
-        shape_gaps = [paired(seed_losses(width, shape, other), seed_losses(width, shape, base))
-                      for shape in SHAPES_NEEDED]
-        lines.append(f"| {width} | " + " | ".join(fmt(gap) for gap in shape_gaps)
-                     + f" | {fmt(t_interval(list(d.values())))} |")
-    if len(width_list) == 2:
-        lines += ["", f"Change of the difference from width {width_list[0]} to {width_list[1]} (paired by seed): "
-                      f"{fmt(paired(diffs[width_list[1]], diffs[width_list[0]]))}."]
+    lines += [f"## Across budgets: {other} minus {base}", "",
+              "Each difference paired by seed at each budget; its slope per tenfold bytes is each seed's least-squares "
+              "slope over the budgets, mean ± 95% half-width over seeds.", "",
+              "| width | difference | " + " | ".join(f"{steps:,} steps" for steps in budget_list)
+              + " | slope per tenfold bytes |", "|---|---|" + "---|" * (len(budget_list) + 1)]
+    for width in width_list:
+        for name, lead_sign, values in QUANTITIES:
+            by_budget = across[name, width] = {steps: minus(values[steps, width, other], values[steps, width, base])
+                                               for steps in budget_list}
+            lines.append(f"| {width} | {name} | " + " | ".join(fmt(t_interval(list(by_budget[steps].values())))
+                                                              for steps in budget_list)
+                         + f" | {fmt(slope(by_budget))} |")
+    lines += ["", "Verdicts (the lead is DeepLoop's: a lower L(2x3), a larger loop gain, a larger phi):", ""]
+    for width in width_list:
+        lines += [f"- width {width}, " + verdict(name, lead_sign, across[name, width])
+                  for name, lead_sign, _ in QUANTITIES]
+    lines.append("")
 cost = sum(run["seconds"] for run in results.values()) / 3600
-lines += ["", f"{len(results)} runs, {cost:.1f} CPU-hours of training. A difference is a finding only where its "
-              f"95% interval excludes zero.", "", "```", "python -m lab.sweep_phi " + " ".join(sys.argv[1:]), "```"]
+lines += [f"{len(results)} runs, {cost:.1f} CPU-hours of training. A difference is a finding only where its "
+          f"95% interval excludes zero.", "", "```", "python -m lab.sweep_phi " + " ".join(sys.argv[1:]), "```"]
 os.makedirs(out_dir, exist_ok=True)
 with open(os.path.join(out_dir, "results.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
 with open(os.path.join(out_dir, "runs.jsonl.tmp"), "w") as f:
     for key in sorted(results, key=str):
-        f.write(json.dumps(dict(results[key], cell=f"w{key[0]}_{key[1]}")) + "\n")
+        f.write(json.dumps(dict(results[key], cell=f"w{key[1]}_{key[2]}")) + "\n")
 os.replace(os.path.join(out_dir, "runs.jsonl.tmp"), os.path.join(out_dir, "runs.jsonl"))
 print("\n".join(lines))
 
@@ -359,19 +466,40 @@ import matplotlib  # noqa: E402  (require() checked it above)
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-fig, ax = plt.subplots(figsize=(5.5, 4))
+groups = [(steps, width) for steps in budget_list for width in width_list]
+fig, ax = plt.subplots(figsize=(5.5 if len(groups) <= 2 else 2 + 1.2 * len(groups), 4))
 for i, scheme in enumerate(scheme_list):
-    for j, width in enumerate(width_list):
-        by_seed, x = phis[width, scheme], j + (i - 0.5) * 0.15
+    for j, (steps, width) in enumerate(groups):
+        by_seed, x = phis[steps, width, scheme], j + (i - 0.5) * 0.15
         ax.plot([x] * len(by_seed), list(by_seed.values()), "o", ms=3, color=f"C{i}", alpha=0.5)
         if stat := t_interval(list(by_seed.values())):
             ax.errorbar([x], [stat[0]], yerr=[np.nan_to_num(stat[1])], marker="D", capsize=3, color=f"C{i}",
                         label=scheme if j == 0 else None)
 ax.axhline(0, color="black", lw=0.8)
-ax.set(xticks=range(len(width_list)), xticklabels=[f"width {w}" for w in width_list], xlim=(-0.6, len(width_list)),
-       ylabel="phi (share of 4 extra blocks' gain)", title="the loop's worth: 2x3 against 2x1 and 6x1 (95% t)")
+ax.set(xticks=range(len(groups)), xlim=(-0.6, len(groups)), ylabel="phi (share of 4 extra blocks' gain)",
+       xticklabels=[f"width {w}" + (f"\n{s:,} steps" if len(budget_list) > 1 else "") for s, w in groups],
+       title="the loop's worth: 2x3 against 2x1 and 6x1 (95% t)")
 ax.legend(fontsize=8)
 fig.tight_layout()
 fig.savefig(os.path.join(out_dir, "phi.png"), dpi=110)
-print(f"{os.path.join(out_dir, 'results.md')}, {os.path.join(out_dir, 'phi.png')}, "
-      f"{os.path.join(out_dir, 'runs.jsonl')}; {(time.time() - t_start) / 60:.1f} min")
+written = [os.path.join(out_dir, name) for name in ("results.md", "phi.png", "runs.jsonl")]
+if across:
+    fig, axes = plt.subplots(1, len(QUANTITIES), figsize=(12, 3.8))
+    for ax, (name, _, _) in zip(axes, QUANTITIES):
+        for j, width in enumerate(width_list):
+            points = [(steps * batch_size * block_size, t_interval(list(across[name, width][steps].values())))
+                      for steps in budget_list]
+            points = [(b, st) for b, st in points if st]
+            if points:
+                ax.errorbar([b * (1 + 0.03 * j) for b, _ in points], [st[0] for _, st in points],
+                            yerr=[np.nan_to_num(st[1]) for _, st in points], marker="o", capsize=3, color=f"C{j}",
+                            label=f"width {width}")
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set(xscale="log", xlabel="bytes read in training", title=f"{name}: {other} - {base}")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle("DeepLoop minus Pre-LN as training grows (paired by seed, 95% t)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "budgets.png"), dpi=110)
+    written.append(os.path.join(out_dir, "budgets.png"))
+print(f"{', '.join(written)}; {(time.time() - t_start) / 60:.1f} min")

@@ -9,7 +9,7 @@ from scripts import run_script
 SECOND_PROCESS = True  # ~15 s of the sweep's planning and tables, run beside the rest of the session (conftest.py)
 
 ARGS = ["--widths=32,64", "--learning_rates=1e-3,3e-3,1e-2", "--start_rate=3e-3", "--seeds=0,1,2", "--walk_seeds=0,1",
-        "--max_iters=100", "--report_only=True"]
+        "--budgets=100", "--report_only=True"]
 SHAPES = {"2x1": (2, 1), "2x3": (2, 3), "6x1": (6, 1)}
 # made-up phi by (width, scheme) and seed: Pre-LN 0.4 / 0.5 / 0.6 at both widths, DeepLoop 0.3 / 0.2 / 0.3 above it
 # at width 32 and 0.4 / 0.4 / 0.3 above it at width 64
