@@ -103,6 +103,43 @@ def t_interval(differences):
     return m, float(stats.t.ppf(0.975, n - 1)) * se, n, p
 
 
+def tenfold_slope(by_bytes):
+    """The slope per tenfold bytes of a difference measured seed by seed at several budgets: each seed's least-squares
+    line through (log10 bytes, difference) over the budgets, where it has every one, and the t_interval of those
+    slopes (paired by seed, like every difference here). by_bytes: {bytes read: {seed: difference}}. None where no
+    seed has two budgets."""
+    slopes = []
+    for seed in set().union(*by_bytes.values()):
+        points = [(math.log10(b), values[seed]) for b, values in sorted(by_bytes.items()) if seed in values]
+        if len(points) == len(by_bytes) >= 2:
+            x, y = np.array(points).T
+            slopes.append(float(np.polyfit(x, y, 1)[0]))
+    return t_interval(sorted(slopes))
+
+
+def lead_verdict(lead_sign, by_bytes):
+    """How one's lead in a difference moves as training grows, in a sentence. by_bytes: as tenfold_slope's;
+    lead_sign: +1 where a positive difference is the lead (phi, a gain), -1 where a negative one is (a loss). The lead
+    persists where the longest budget's interval lies on the lead's side of zero, reverses where it lies on the other,
+    fades where the slope's interval lies against the lead and the longest budget's holds zero; else it cannot be told
+    yet."""
+    last = max(by_bytes)
+    at_last, trend = t_interval(list(by_bytes[last].values())), tenfold_slope(by_bytes)
+    where = f"at {last / 1e6:.1f}M bytes ({fmt(at_last)})"
+    if at_last is None or math.isnan(at_last[1]):
+        return f"cannot be told yet: {where}, too few seeds for an interval."
+    low, high = sorted(lead_sign * (at_last[0] + np.array([-1, 1]) * at_last[1]))
+    trend_text = f"slope {fmt(trend)} per tenfold bytes" if trend else "one budget, no slope"
+    if low > 0:
+        return f"the lead persists {where}; {trend_text}."
+    if high < 0:
+        return f"the lead reverses {where}; {trend_text}."
+    if trend and not math.isnan(trend[1]) and max(lead_sign * (trend[0] + np.array([-1, 1]) * trend[1])) < 0:
+        return f"the lead fades: {trend_text}, and {where} the interval holds zero."
+    return (f"cannot be told yet: {where} the interval holds zero, and the {trend_text} does not exclude zero; more "
+            f"seeds at the longest budget, or a longer budget, would tell it.")
+
+
 def fmt(stat, digits=3):
     """A paired difference as "mean ± 95% half-width (n, p)"; — without seeds."""
     if stat is None:
