@@ -44,6 +44,7 @@ UNCOMPARED = ("out_dir", "init_from", "start_over", "checkpoint_minutes", "min_l
 RECORD = dict(name=str, scheme=str, n_loop=int, exponent=(int, float), lr=(int, float), seed=int,
               seconds=(int, float))  # the fields every result has, and their types
 STUDY_FILE = "name the file a budget study wrote, e.g. docs/runs/budget_study_runs.jsonl"
+PHI_STUDY_FILE = "name the file a phi study wrote, e.g. docs/runs/phi_study_runs.jsonl"
 
 
 # Model variants a scheme can run in, as `--schemes=deeploop+concat`, and together, as `deeploop+add+curriculum`: the
@@ -218,17 +219,24 @@ class Runs:
                       f"of the runs in {self.out_dir}, or choose another --out_dir")
         return result
 
-    def import_results(self, path, cell=None):
-        """The runs of a runs.jsonl that a study wrote, as done here (a run of this out_dir's own is kept) -> (how many
-        were taken, how many there were). Every line is checked before any is taken: each must be a run's record,
-        named as its run is, made with this sweep's settings; one line and exit 2 where one is not. cell: only the
-        lines whose "cell" is this (lab.sweep_phi's runs.jsonl holds the runs of several shapes)."""
+    def import_results(self, path):
+        """The runs of a runs.jsonl that a budget study wrote, as done here (a run of this out_dir's own is kept) ->
+        (how many were taken, how many there were); see results_in."""
+        imported = self.results_in(path)
+        return self.take(imported), len(imported)
+
+    def results_in(self, path, cell=None, needs=()):
+        """The runs of a runs.jsonl that a study wrote, for this sweep. Every line is checked, and nothing is written:
+        each must be a run's record, named as its run is, made with this sweep's settings, with the fields in needs;
+        one line and exit 2 where one is not. cell: only the lines whose "cell" is this (lab.sweep_phi's runs.jsonl
+        holds the runs of several shapes, lab.sweep's lines name none); a file of the other kind is one line too."""
+        study_file = PHI_STUDY_FILE if cell else STUDY_FILE
         try:
             with open(path) as f:
                 lines = f.read().splitlines()
         except (OSError, ValueError) as e:
-            die(f"--results_from={path} is not a readable runs.jsonl ({type(e).__name__}): {STUDY_FILE}")
-        imported = []
+            die(f"--results_from={path} is not a readable runs.jsonl ({type(e).__name__}): {study_file}")
+        imported, cells = [], set()
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -237,19 +245,31 @@ class Runs:
             except ValueError as e:
                 die(f"--results_from={path}, line {number}: not JSON ({e.msg} at column {e.colno}): {STUDY_FILE}")
             if why := bad_record(run, steps=True):
-                die(f"--results_from={path}, line {number}: {why}: {STUDY_FILE}")
+                die(f"--results_from={path}, line {number}: {why}: {study_file}")
+            cells.add(run.get("cell"))
             if run.get("cell") != cell:
                 continue
+            if missing := [k for k in needs if not isinstance(run.get(k), (int, float)) or isinstance(run[k], bool)]:
+                die(f"--results_from={path}, line {number}: run {run['name']} has no {', '.join(missing)}: "
+                    f"{study_file}")
             job = (run["scheme"], run["n_loop"], run["exponent"], run["lr"], run["seed"], run["steps"])
             # the name is the run's folder, in out_dir/runs and nowhere else
             if run["name"] != run_name(*job) or os.path.basename(run["name"]) != run["name"]:
                 die(f"--results_from={path}, line {number}: run name {run['name']!r} is not the folder name of its "
-                    f"run ({run_name(*job)!r}): {STUDY_FILE}")
+                    f"run ({run_name(*job)!r}): {study_file}")
             was, now = self.changed(run.get("settings", {}), job, run.get("dtype", "float32"))
             if was:
                 die(f"--results_from={path}, line {number}: run {run['name']} was trained with {was}, where this "
                     f"sweep's runs get {now}: give the sweep the study's settings, or leave out --results_from")
             imported.append(run)
+        if cells and (None in cells) != (cell is None):
+            die(f"--results_from={path} is {'a phi study' if cell is None else 'a budget study'}'s runs.jsonl "
+                f"(its lines {'name' if cell is None else 'do not name'} a cell): {study_file}")
+        return imported
+
+    def take(self, imported):
+        """Runs that results_in returned, as done here: each one's result.json, where its folder has none (a run of
+        this out_dir's own is kept) -> how many were taken."""
         taken = 0
         for run in imported:
             result_path = os.path.join(self.out_dir, "runs", run["name"], "result.json")
@@ -257,7 +277,7 @@ class Runs:
                 os.makedirs(os.path.dirname(result_path), exist_ok=True)
                 write_json(result_path, run)
                 taken += 1
-        return taken, len(imported)
+        return taken
 
     def train(self, scheme, n_loop, exponent, lr, seed, steps=None):
         """One train.py run (of steps steps, default max_iters) -> its result dict (also saved as result.json in the

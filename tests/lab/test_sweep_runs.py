@@ -117,6 +117,16 @@ def test_an_imported_study_of_other_settings_is_one_line_and_nothing_is_taken(tm
     assert not (out / "runs").exists()
 
 
+def test_a_phi_study_file_given_to_the_budget_study_says_it_is_one(tmp_path):
+    """Its lines, which name their cells, were all skipped: "0 of its 0 runs taken as done"."""
+    out = tmp_path / "study"
+    study = os.path.join(ROOT, "docs", "runs", "phi_study_runs.jsonl")
+    r = sweep(*BUDGET, f"--out_dir={out}", f"--results_from={study}")
+    assert one_line(r) == (f"--results_from={study} is a phi study's runs.jsonl (its lines name a cell): name the file "
+                           f"a budget study wrote, e.g. docs/runs/budget_study_runs.jsonl")
+    assert not (out / "runs").exists()
+
+
 def test_a_result_file_cut_short_is_one_line_naming_it(tmp_path):
     """A result.json written in place and cut short: every later start died in a JSONDecodeError's traceback."""
     out = tmp_path / "cut"
