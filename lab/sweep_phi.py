@@ -54,8 +54,8 @@ import numpy as np
 
 from configurator import configure, die, require
 from dataset import HEADER_BYTES, load_meta
-from lab.sweep_budget import coverage, fmt, mean_std, neighbours, rate_walk, t_interval
-from lab.sweep_runs import Runs, variant_settings, write_json
+from lab.sweep_budget import coverage, fmt, lead_verdict, mean_std, neighbours, rate_walk, t_interval, tenfold_slope
+from lab.sweep_runs import VARIANTS, Runs, split_scheme, variant_settings, write_json
 from prepare_data import prepare
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -79,10 +79,10 @@ checkpoint_minutes = 3.0
 workers = 2               # runs at the same time, one CPU thread each
 report_only = False
 results_from = ""         # a runs.jsonl this study wrote (docs/runs/phi_study_runs.jsonl): its runs count as done
-dataset = "stdlib_bytes_heldout"
 config = configure(globals(), sys.argv[1:])
 # -----------------------------------------------------------------------------------------------------------------
 SHAPES_NEEDED = ["2x1", "2x3", "6x1"]
+DATASET = "stdlib_bytes_heldout"  # the study's own corpus, which it prepares itself: no other command writes there
 
 
 def numbers(name, kind):
@@ -133,6 +133,12 @@ width_list, lr_list = numbers("widths", int), numbers("learning_rates", float)
 budget_list = numbers("budgets", int)
 if budget_list != sorted(set(budget_list)) or budget_list[0] < 1:
     die(f"budgets must be positive step counts in increasing order, got {budgets!r}")
+for name, values in (("widths", width_list), ("learning_rates", lr_list)):
+    if min(values) <= 0:
+        die(f"every one of {name} must be above 0, got {globals()[name]!r}")
+for name in ("workers", "head_size"):
+    if not isinstance(globals()[name], int) or globals()[name] < 1:
+        die(f"{name} must be a positive integer, got {globals()[name]!r}")
 if sorted(shapes.split(",")) != sorted(SHAPES_NEEDED):
     die(f"shapes must be {','.join(SHAPES_NEEDED)} (phi needs all three), got {shapes!r}")
 if not set(walk_seed_list) <= set(seed_list):
@@ -140,20 +146,23 @@ if not set(walk_seed_list) <= set(seed_list):
 if start_rate not in lr_list:
     die(f"start_rate must be one of learning_rates={learning_rates}, got {start_rate:g}")
 for scheme in scheme_list:
-    if scheme.split("+")[0] not in ("preln", "deeploop", "deepnorm", "postln", "preln_scaled"):
+    residual, variants = split_scheme(scheme)
+    if residual not in ("preln", "deeploop", "deepnorm", "postln", "preln_scaled"):
         die(f"unknown scheme '{scheme}': use e.g. preln+paper or deeploop+paper")
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        die(f"unknown variant {', '.join(map(repr, unknown))} in scheme '{scheme}': use {', '.join(VARIANTS)}")
 for width in width_list:
     if width % head_size:
         die(f"every width must be a multiple of head_size={head_size}, got {width}")
 require("matplotlib")
 cells = [(w, s) for w in width_list for s in SHAPES_NEEDED]
-data_dir = prepare("stdlib", tokenizer="bytes", name=dataset, test_share=0.5, quiet=True)
+data_dir = prepare("stdlib", tokenizer="bytes", name=DATASET, test_share=0.5, quiet=True)
 meta = load_meta(data_dir)
 
 
 def make_runs(width, shape, stop_with=None):
     n_layer, _ = shape_of(shape)
-    kw = dict(out_dir=os.path.join(out_dir, f"w{width}_{shape}"), mode="phi", on_chains=False, dataset=dataset,
+    kw = dict(out_dir=os.path.join(out_dir, f"w{width}_{shape}"), mode="phi", on_chains=False, dataset=DATASET,
               mode_budget={}, depth_config=None, variant_settings=variant_settings, loop_list=[shape_of(shape)[1]],
               checkpoint_minutes=checkpoint_minutes, n_layer=n_layer, n_head=width // head_size, n_embd=width,
               block_size=block_size, batch_size=batch_size, max_iters=budget_list[-1], warmup_iters=warmup_iters,
@@ -165,10 +174,13 @@ first = make_runs(*cells[0])
 runners = {cell: make_runs(*cell, stop_with=first) for cell in cells}  # one signal stops every cell's runs
 for runner in runners.values():
     runner.sweep_dtype("float32")  # one precision on every CPU: the study pairs runs across machines
-if results_from:
+if results_from:  # every cell's lines checked before any is taken
+    imported = {cell: runner.results_in(results_from, cell=f"w{cell[0]}_{cell[1]}", needs=("test_loss",))
+                for cell, runner in runners.items()}
     for (width, shape), runner in runners.items():
-        taken, total = runner.import_results(results_from, cell=f"w{width}_{shape}")
-        print(f"{results_from}: {taken} of its {total} runs of w{width}_{shape} taken as done", flush=True)
+        taken = runner.take(imported[width, shape])
+        print(f"{results_from}: {taken} of its {len(imported[width, shape])} runs of w{width}_{shape} taken as done",
+              flush=True)
 results = {}  # (steps, width, shape, scheme, lr, seed) -> result, with test_loss
 
 
@@ -182,6 +194,9 @@ def with_test_loss(key, result):
         return result
     width, shape = key[1:3]
     run_dir = os.path.join(out_dir, f"w{width}_{shape}", "runs", result["name"])
+    if not os.path.isfile(os.path.join(run_dir, "ckpt.pt")):
+        die(f"{os.path.join(run_dir, 'result.json')} has no test_loss and the run no checkpoint to compute it from: "
+            f"delete {run_dir}, and the study trains that run again")
     result = dict(result, cell=f"w{width}_{shape}")
     result["test_loss"], result["test_tokens"] = test_loss(run_dir, data_dir, block_size)
     write_json(os.path.join(run_dir, "result.json"), result)
@@ -301,47 +316,9 @@ def fmt_phi(stat):
     return fmt(stat).replace("+", "") if stat else "—"
 
 
-def slope(by_budget):
-    """The slope per tenfold bytes of a difference measured seed by seed at several budgets: each seed's least-squares
-    line through (log10 bytes, difference) over the budgets it has all of, and the t_interval of those slopes (paired
-    by seed, like every difference here); None where no seed has two budgets. by_budget: {steps: {seed: value}}."""
-    slopes = []
-    for seed in seed_list:
-        points = [(math.log10(steps * batch_size * block_size), values[seed])
-                  for steps, values in sorted(by_budget.items()) if seed in values]
-        if len(points) == len(by_budget) >= 2:
-            x, y = np.array(points).T
-            slopes.append(float(np.polyfit(x, y, 1)[0]))
-    return t_interval(slopes)
-
-
-def verdict(name, lead_sign, by_budget):
-    """A plain sentence on how DeepLoop's lead in one difference moves with training. lead_sign: +1 where a positive
-    difference is DeepLoop's lead (phi, the loop gain), -1 where a negative one is (a loss). The lead persists where
-    the longest budget's interval is on the lead's side of zero, reverses where it is on the other side, fades where
-    the slope's interval is against the lead and the longest budget's interval holds zero; else it cannot be told
-    yet."""
-    last = max(by_budget)
-    at_last, trend = t_interval(list(by_budget[last].values())), slope(by_budget)
-    where = f"at {last:,} steps ({last * batch_size * block_size / 1e6:.1f}M bytes: {fmt(at_last)})"
-    if at_last is None or math.isnan(at_last[1]):
-        return f"{name}: cannot be told yet: {where}, too few seeds there for an interval."
-    low, high = sorted(lead_sign * np.array([at_last[0] - at_last[1], at_last[0] + at_last[1]]))
-    trend_text = f"slope {fmt(trend)} per tenfold bytes" if trend else "no slope (one budget)"
-    if low > 0:
-        return f"{name}: the lead persists {where}; {trend_text}."
-    if high < 0:
-        return f"{name}: the lead reverses {where}; {trend_text}."
-    if trend and not math.isnan(trend[1]) and max(lead_sign * (trend[0] - trend[1]),
-                                                   lead_sign * (trend[0] + trend[1])) < 0:
-        return f"{name}: the lead fades: {trend_text}, and {where} the interval holds zero."
-    return (f"{name}: cannot be told yet: {where} the interval holds zero and the {trend_text} does not exclude zero; "
-            f"seeds 3 and 4 at {last:,} steps, or a longer budget, would tell it.")
-
-
 lines = [f"# How much is a loop worth? (`python -m lab.sweep_phi`)", ""]
 budget_text = ", ".join(f"{steps:,}" for steps in budget_list)
-lines += [f"data/{dataset}: train {meta['tokens']['train']:,} bytes, val {meta['tokens']['val']:,}, test "
+lines += [f"data/{DATASET}: train {meta['tokens']['train']:,} bytes, val {meta['tokens']['val']:,}, test "
           f"{meta['tokens']['test']:,} (SHA-256 of test {meta['split_sha256']['test'][:16]}..., of train "
           f"{meta['split_sha256']['train'][:16]}...); {budget_text} steps of {batch_size} x {block_size} bytes, "
           f"warmup {warmup_iters}, float32, one thread a run; heads of {head_size}; rates chosen on the mean final val "
@@ -429,7 +406,14 @@ for steps in budget_list:
                           f"{fmt(paired(diffs[width_list[1]], diffs[width_list[0]]))}."]
     lines.append("")
 # across budgets: each difference DeepLoop minus Pre-LN, seed by seed, at every budget
-QUANTITIES = (("L(2x3)", -1, looped_losses), ("the loop gain L(2x1) - L(2x3)", 1, gains), ("phi", 1, phis))
+
+
+def bytes_read(by_budget):
+    """{steps: values} -> {the bytes a run of those steps reads: values}"""
+    return {steps * batch_size * block_size: values for steps, values in by_budget.items()}
+
+
+QUANTITIES = (("L(2x3)", -1, looped_losses), ("loop gain L(2x1) - L(2x3)", 1, gains), ("phi", 1, phis))
 across = {}  # (quantity, width) -> {steps: {seed: difference}}
 if len(budget_list) > 1 and len(scheme_list) == 2:
     other, base = scheme_list[1], scheme_list[0]
@@ -444,10 +428,10 @@ if len(budget_list) > 1 and len(scheme_list) == 2:
                                                for steps in budget_list}
             lines.append(f"| {width} | {name} | " + " | ".join(fmt(t_interval(list(by_budget[steps].values())))
                                                               for steps in budget_list)
-                         + f" | {fmt(slope(by_budget))} |")
+                         + f" | {fmt(tenfold_slope(bytes_read(by_budget)))} |")
     lines += ["", "Verdicts (the lead is DeepLoop's: a lower L(2x3), a larger loop gain, a larger phi):", ""]
     for width in width_list:
-        lines += [f"- width {width}, " + verdict(name, lead_sign, across[name, width])
+        lines += [f"- width {width}, {name}: " + lead_verdict(lead_sign, bytes_read(across[name, width]))
                   for name, lead_sign, _ in QUANTITIES]
     lines.append("")
 cost = sum(run["seconds"] for run in results.values()) / 3600
@@ -495,10 +479,11 @@ if across:
                             yerr=[np.nan_to_num(st[1]) for _, st in points], marker="o", capsize=3, color=f"C{j}",
                             label=f"width {width}")
         ax.axhline(0, color="black", lw=0.8)
-        ax.set(xscale="log", xlabel="bytes read in training", title=f"{name}: {other} - {base}")
+        ax.set(xscale="log", xlabel="bytes read in training", title=name)
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    fig.suptitle("DeepLoop minus Pre-LN as training grows (paired by seed, 95% t)", fontsize=10)
+    fig.suptitle(f"{other} minus {base} as training grows (paired by seed, 95% t)", fontsize=10)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "budgets.png"), dpi=110)
     written.append(os.path.join(out_dir, "budgets.png"))
