@@ -110,6 +110,7 @@ def test_exercise_2(early):
     assert (float(sgd[1]), float(sgd[2])) == (pytest.approx(-2, abs=0.02), pytest.approx(-3, abs=0.02))
     row_4 = printed_rows(result.stdout, "4")[0]
     assert float(row_4[4]) == pytest.approx(4, abs=0.02) == pytest.approx(float(row_4[1]), abs=0.02)
+    assert 1.05 < float(row_4[8]) < 1.2  # AdamW's ratio, its gradients near its eps
 
 
 def test_exercise_3(early):
