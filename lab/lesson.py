@@ -58,6 +58,8 @@ def beta_over_alpha(N, p):
 
 
 def check_coefficients(L, R_values, ps):
+    """alpha and beta of each (p, R) from model.residual_coefficients, and the bound's factors: N (beta/alpha)^2, the
+    untied stack's, and R N (beta/alpha)^2, the looped one's with aligned visits."""
     print(f"L = {L} physical blocks run R times: N = {L}R; beta / alpha = (4N)^(-2p)")
     print("   p   R   N    alpha     beta  beta/alpha  N (beta/alpha)^2  R N (beta/alpha)^2")
     for p in ps:
@@ -95,6 +97,8 @@ def relative(a, b):
 
 
 def check_expand():
+    """One block visited twice: the four terms J_r g_s of an SGD step's first-order change of the logits, their sums
+    against autograd's change of the looped model and of its untied copy."""
     tied, (x, y) = task_model("deeploop", 2, 1)
     untied = untied_copy(tied)  # its block r - 1 is visit r of the looped block, with the same parameters
     g = {r: block_gradient(untied, x, y, r - 1) for r in (1, 2)}  # g_r: what visit r gives the block's parameters
@@ -121,6 +125,7 @@ def check_expand():
 
 
 def check_kappa(R_values):
+    """kappa_R of each block at init, from the untied copy's blocks and from lab.probes; with steps, over training."""
     print(f"{residual}, L = {n_layer}: kappa_R = ||sum_r g_r||^2 / sum_r ||g_r||^2 of each block, from its visits' "
           f"gradients")
     print("   R  kappa_R (untied copy)  kappa_R (lab.probes)  ||g_r|| of block 1, r = 1..R")
@@ -145,6 +150,8 @@ def check_kappa(R_values):
 
 
 def check_step(R_values, ps):
+    """One SGD and one AdamW step of the blocks' matrices, looped against untied: the changes, their ratio, the first-
+    order change of the loss's ratio, and the exponents in R beside the bound's."""
     print(f"one step from init, L = {n_layer}, the blocks' matrices moving (what alpha and beta scale): the RMS change "
           f"of the logits")
     at_1 = {}
@@ -179,6 +186,8 @@ def check_step(R_values, ps):
 
 
 def check_norm(R_values):
+    """Norm(alpha x + f) against Norm(x + f / alpha) with eps / alpha^2 (or the same eps), LayerNorm and RMSNorm, on
+    tensors and on a block of the model against its twin with alpha = 1."""
     torch.manual_seed(seed)
     C = WIDTH["n_embd"]
     z = torch.randn(ROWS, CELLS, C, dtype=torch.float64)
