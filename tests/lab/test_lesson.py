@@ -129,6 +129,7 @@ def test_exercise_4(early):
     rows = printed_rows(result.stdout, "layernorm") + printed_rows(result.stdout, "rmsnorm")
     assert len(rows) == 6
     for _, R, N, alpha, tensors, block in rows:
+        assert float(alpha) == pytest.approx(residual_coefficients("deeploop", int(N))[0], abs=1e-4)
         expected = 1e-5 * (1 - 1 / float(alpha) ** 2) / 2
         assert float(tensors) == pytest.approx(expected, rel=0.06), (R, tensors, expected)
         assert float(block) == pytest.approx(expected, rel=0.06), (R, block, expected)
