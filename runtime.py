@@ -6,13 +6,17 @@ Nothing here runs on import; each script calls what it needs.
 The precision rule (`choose_dtype`, for dtype="auto"):
     CUDA with native bfloat16 (Ampere and newer)         -> bfloat16 autocast
     CUDA without it (V100, T4: bfloat16 only emulated)    -> float16 autocast with loss scaling (GradScaler)
-    CPU                                                   -> measured: bfloat16 autocast when one block's matrix
-                                                             products ran at least 1.15x as fast in it, else float32
+    CPU without bfloat16 instructions                     -> float32 (bfloat16 emulated ran at 0.07x-0.10x its speed)
+    CPU with them                                         -> measured: a few training steps of the run's own model on
+                                                             its batch shape in each; bfloat16 autocast when its fastest
+                                                             step is faster by a margin beyond the steps' spread
     anything else (Apple's MPS)                           -> float32
-CPU flags do not predict the CPU's answer: a Xeon with avx512_bf16 but no AMX trained bench.py's model at 0.64x the
-speed in bfloat16, a Zen 4 EPYC with the same flags at 1.62x. A close call keeps float32, which reproduces bit for
-bit. A measurement is noisy, so on a CPU a resumed run keeps the precision its checkpoint was trained in when that was
-on a CPU too (a GPU's bfloat16 or float16 is no CPU's pick), and sweep.py decides once for all its runs.
+CPU flags do not predict the answer: a Xeon with avx512_bf16 but no AMX trained bench.py's model at 0.64x the speed in
+bfloat16, a Zen 4 EPYC with the same flags at 1.62x. Nor does a part of the step: one block's matrix products timed
+alone left out the output layer and attention, and picked float32 for a model that trains 1.99x as fast in bfloat16
+on a Xeon with AMX. A close call keeps float32, which reproduces bit for bit. A measurement is noisy, so on a CPU a
+resumed run keeps the precision its checkpoint was trained in when that was on a CPU too (a GPU's bfloat16 or float16
+is no CPU's pick), and sweep.py decides once for all its runs.
 Weights and optimizer state stay float32 in every case (autocast casts per operation), so a checkpoint resumes in any
 dtype.
 """
@@ -22,18 +26,19 @@ import math
 import os
 import platform
 import random
+import statistics
 import sys
 import time
 from contextlib import nullcontext
+from copy import deepcopy
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 DTYPES = ("float32", "bfloat16", "float16")
-BFLOAT16_GAIN = 1.15  # on a CPU, bfloat16 must run one block's matrix products this much faster than float32
-MEASURE_FLOPS = 3e8  # FLOPs of one timed repeat at most: fewer rows than a training step, to keep the measurement short
-MEASURE_SECONDS = 0.1  # CPU seconds within which repeats after the first timed one may start
+BFLOAT16_MARGIN = 0.05  # on a CPU, bfloat16 must train this much faster than float32 at least (and beyond the spread)
+MEASURE_ROUNDS = (3, 7)  # rounds of timed training steps, one of each dtype: at least (for a spread), at most
+MEASURE_SECONDS = 3.0  # no round of timed steps starts that would end past this many seconds after the warm-up
 
 
 def tune_malloc():
@@ -69,45 +74,79 @@ def check_device(device):
         raise ValueError(f"--device={device} is not usable here (the devices here: {', '.join(here)}); use one of them")
 
 
-def time_block_matmuls(n_embd, rows, repeats=5):
-    """(float32 seconds, bfloat16 seconds, rows): the fastest of up to `repeats` runs of each precision, through
-    autocast as training runs them, of the forward and backward of one block's four matrix products (attention in and
-    out, MLP in and out) on `rows` tokens of width n_embd. Rows are capped so that a repeat costs at most
-    MEASURE_FLOPS (but are at least 8). Timed on one thread in the thread's CPU time: on a machine shared with other
-    work, wall time measures the neighbours, and threads that wait for a descheduled one at every operation even more
-    so. The precisions take turns, so that the load slows both alike; the first turn of each warms up (bfloat16
-    kernels are generated on first use); no repeat starts after MEASURE_SECONDS, which keeps a CPU that emulates
-    bfloat16 from paying for it long. A private generator: the seeds stay put."""
-    rows = max(8, min(rows, int(MEASURE_FLOPS / (72 * n_embd ** 2))))  # 2 x 3 (forward, backward) x 12 n_embd^2
+def time_training_steps(model, batch_shape, dtypes=("float32", "bfloat16")):
+    """({dtype: [seconds of each timed step]}, sequences per step, seconds it all took): training steps of a copy of
+    model (forward, backward and AdamW step, as configure_optimizers makes it) on random tokens, in each dtype through
+    autocast as training runs it, on the threads the process has, in wall time. First an untimed step of each on one
+    sequence of batch_shape's (first-use costs: kernels generated, buffers allocated), which sizes the timed steps:
+    as many of batch_shape's sequences as fit in MEASURE_SECONDS / 10 at that step's pace (one at least; untimed once
+    more if more than one). Then rounds of one step of each, the dtypes taking turns, so that a change in load slows
+    them alike: at least MEASURE_ROUNDS[0], at most MEASURE_ROUNDS[1], and no round starts that would end past
+    MEASURE_SECONDS. Fewer sequences than the run's weigh the optimizer step and autocast's casts of the weights
+    more, which err towards float32. The run's model keeps its weights, and its random generators their states."""
+    copy = deepcopy(model).train()
+    optimizer = copy.configure_optimizers(0.1, 6e-4, (0.9, 0.95), "cpu")
     generator = torch.Generator().manual_seed(0)
-    shapes = [(3 * n_embd, n_embd), (n_embd, n_embd), (4 * n_embd, n_embd), (n_embd, 4 * n_embd)]
-    weights = [torch.randn(shape, generator=generator).mul_(0.02).requires_grad_() for shape in shapes]
-    inputs = {width: torch.randn(rows, width, generator=generator).requires_grad_() for width in (n_embd, 4 * n_embd)}
-    best = dict(float32=math.inf, bfloat16=math.inf)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        start = time.thread_time()
-        for repeat in range(repeats + 1):
-            if repeat > 1 and time.thread_time() - start > MEASURE_SECONDS:
+    x, y = (torch.randint(copy.config.vocab_size, batch_shape, generator=generator) for _ in range(2))
+
+    def step(dtype, sequences):
+        t0 = time.perf_counter()
+        with autocast_context("cpu", dtype):
+            loss = copy(x[:sequences], y[:sequences])[1]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    times = {dtype: [] for dtype in dtypes}
+    start = time.perf_counter()
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        one = max(step(dtype, 1) for dtype in dtypes)
+        sequences = max(1, min(batch_shape[0], int(MEASURE_SECONDS / 10 / one)))
+        if sequences > 1:
+            for dtype in dtypes:
+                step(dtype, sequences)
+        timed_from = time.perf_counter()
+        while len(times[dtypes[0]]) < MEASURE_ROUNDS[1]:
+            round_start = time.perf_counter()
+            for dtype in dtypes:
+                times[dtype].append(step(dtype, sequences))
+            now = time.perf_counter()
+            if len(times[dtypes[0]]) >= MEASURE_ROUNDS[0] and now - timed_from + (now - round_start) > MEASURE_SECONDS:
                 break
-            for dtype in best:
-                t0 = time.thread_time()
-                with autocast_context("cpu", dtype):
-                    loss = sum(F.linear(inputs[w.size(1)], w).float().sum() for w in weights)
-                torch.autograd.grad(loss, [*weights, *inputs.values()])
-                if repeat:
-                    best[dtype] = min(best[dtype], time.thread_time() - t0)
-    finally:
-        torch.set_num_threads(threads)
-    return best["float32"], best["bfloat16"], rows
+    return times, sequences, time.perf_counter() - start
 
 
-def choose_dtype(device, dtype="auto", n_embd=256, rows=2048, trained_on=None):
-    """(dtype, why) for a device: dtype as given, or for "auto" the rule in this module's docstring. n_embd and rows
-    (tokens per forward) are the shapes a CPU measures; trained_on, (dtype, device) of the checkpoint a run resumes
-    (its config's), keeps that dtype on a CPU if the checkpoint was trained on a CPU. Raises ValueError for an unknown
-    dtype."""
+def cpu_flags():
+    """The instruction-set flags of this machine's first CPU (x86 "flags", Arm "Features"); an empty set where
+    /proc/cpuinfo cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line.split(":", 1)[1] for line in f if line.startswith(("flags", "Features"))),
+                            "").split())
+    except OSError:
+        return set()
+
+
+def choose_bfloat16(times):
+    """(whether bfloat16 trains clearly faster, the words that say why) from time_training_steps' timings. Other
+    processes only ever add time to a step, so each dtype counts its fastest step, and its spread is how far its
+    second-fastest lies above that; bfloat16 only where float32's fastest step is at least 1 + the margin times
+    bfloat16's, the margin being BFLOAT16_MARGIN or the larger spread, whichever is larger."""
+    fastest = {dtype: sorted(seconds)[:2] for dtype, seconds in times.items()}
+    spread = max(second / first - 1 for first, second in fastest.values())
+    gain, needed = fastest["float32"][0] / fastest["bfloat16"][0], 1 + max(BFLOAT16_MARGIN, spread)
+    return gain >= needed, (f"the fastest of {len(times['float32'])} steps: bfloat16 "
+                            f"{fastest['bfloat16'][0] * 1e3:.1f} ms, float32 {fastest['float32'][0] * 1e3:.1f} ms, "
+                            f"bfloat16 {gain:.2f}x as fast; it needs {needed:.2f}x (the second-fastest steps up to "
+                            f"{spread:.0%} slower, and at least {BFLOAT16_MARGIN:.0%})")
+
+
+def choose_dtype(device, dtype="auto", model=None, batch_shape=None, trained_on=None):
+    """(dtype, why) for a device: dtype as given, or for "auto" the rule in this module's docstring. model and
+    batch_shape (sequences, tokens of each): what a CPU measures training steps of (time_training_steps); trained_on,
+    (dtype, device) of the checkpoint a run resumes (its config's), keeps that dtype on a CPU if the checkpoint was
+    trained on a CPU. Raises ValueError for an unknown dtype, or for "auto" on a CPU without a model to measure."""
     if dtype != "auto":
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
@@ -122,12 +161,17 @@ def choose_dtype(device, dtype="auto", n_embd=256, rows=2048, trained_on=None):
     if device_type == "cpu":
         if trained_on and trained_on[0] and str(trained_on[1]).split(":")[0] == "cpu":
             return trained_on[0], "the precision its checkpoint was trained in on a CPU (a measurement could differ)"
-        float32_seconds, bfloat16_seconds, rows = time_block_matmuls(n_embd, rows)
-        gain = float32_seconds / bfloat16_seconds
-        choice = ["bfloat16" if gain >= BFLOAT16_GAIN else "float32",
-                  f"one block's matrix products ({rows} x {n_embd}, forward and backward) measured {gain:.2f}x as "
-                  f"fast in bfloat16 as in float32 ({bfloat16_seconds * 1e3:.1f} ms against "
-                  f"{float32_seconds * 1e3:.1f} ms of CPU time); bfloat16 needs {BFLOAT16_GAIN}x"]
+        if (flags := cpu_flags()) and not flags & {"avx512_bf16", "amx_bf16", "bf16"}:
+            choice = ["float32", "this CPU has no bfloat16 instructions (avx512_bf16, amx_bf16): it would emulate them"]
+        else:
+            if model is None or batch_shape is None:
+                raise ValueError("dtype=auto on a CPU measures training steps of the model: give choose_dtype the "
+                                 "model and batch_shape, or a dtype")
+            times, sequences, seconds = time_training_steps(model, batch_shape)
+            faster, why = choose_bfloat16(times)
+            choice = ["bfloat16" if faster else "float32",
+                      f"training steps of this model on {sequences} of the batch's {batch_shape[0]} sequences of "
+                      f"{batch_shape[1]} tokens, measured in {seconds:.1f} s: {why}"]
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.broadcast_object_list(choice, src=0)  # DDP: every process takes the master's pick
         return tuple(choice)
@@ -150,10 +194,10 @@ def autocast_context(device, dtype):
     return nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
 
 
-def precision(device, dtype, n_embd=256, rows=2048, trained_on=None):
+def precision(device, dtype, model=None, batch_shape=None, trained_on=None):
     """(dtype, why, autocast context) for a script that runs on device: choose_dtype's pick, and TF32 matmuls allowed
     on CUDA (allow_tf32). Raises ValueError for an unknown dtype."""
-    dtype, why = choose_dtype(device, dtype, n_embd, rows, trained_on)
+    dtype, why = choose_dtype(device, dtype, model, batch_shape, trained_on)
     allow_tf32(device)
     return dtype, why, autocast_context(device, dtype)
 
@@ -263,11 +307,21 @@ def synchronize(device):
         torch.mps.synchronize()
 
 
+# per CPU core and cycle, half-precision products against float32's: (flag, times float32's FLOPs, why)
+HALF_PRECISION_PEAKS = dict(
+    bfloat16=[("amx_bf16", 16, "AMX: 1024 bfloat16 FLOPs a cycle against 64 of AVX-512 in float32"),
+              ("avx512_bf16", 2, "avx512_bf16's dot products: 2 bfloat16 products per float32 lane")],
+    float16=[("amx_fp16", 16, "AMX: 1024 float16 FLOPs a cycle against 64 of AVX-512 in float32"),
+             ("avx512_fp16", 2, "avx512_fp16: twice float32's lanes")])
+
+
 def default_peak_flops(device, dtype):
-    """(FLOP/s of one device, where the number comes from), the yardstick of MFU when none is given. GPUs we know:
-    the datasheet's dense bf16/fp16 number. CPUs: threads x clock x 2 FMA units x float32 SIMD lanes x 2 FLOPs per
-    FMA, an estimate for server cores, but the same in every run (timing matmuls on shared cores varies 10x).
-    Anything else: the fastest of a few timed large matmuls."""
+    """(FLOP/s of one device in dtype, where the number comes from), the yardstick of MFU when none is given. GPUs we
+    know: the datasheet's dense bf16/fp16 number. CPUs: threads x clock x 2 FMA units x float32 SIMD lanes x 2 FLOPs
+    per FMA, an estimate for server cores, but the same in every run (timing matmuls on shared cores varies 10x); in
+    bfloat16 or float16 that times what the CPU's flags say its instructions for them compute per cycle
+    (HALF_PRECISION_PEAKS; without them the CPU computes them no faster than float32). Anything else: the fastest of a
+    few timed large matmuls."""
     device_type = device.split(":")[0]
     if device_type == "cuda" and dtype != "float32":
         name = torch.cuda.get_device_name(device)
@@ -282,8 +336,12 @@ def default_peak_flops(device, dtype):
         simd = torch.backends.cpu.get_cpu_capability()
         lanes = {"AVX512": 16, "AVX2": 8}.get(simd, 4)
         if mhz:
-            return torch.get_num_threads() * mhz * 1e6 * 2 * lanes * 2, \
-                f"{torch.get_num_threads()} threads x {mhz:.0f} MHz x {simd}"
+            flops = torch.get_num_threads() * mhz * 1e6 * 2 * lanes * 2
+            source = f"{torch.get_num_threads()} threads x {mhz:.0f} MHz x {simd} in float32"
+            flags = cpu_flags()
+            times, why = next(((times, why) for flag, times, why in HALF_PRECISION_PEAKS.get(dtype, [])
+                               if flag in flags), (1, f"no {dtype} instructions: float32's"))
+            return flops * times, source if dtype == "float32" else f"{source}, x {times} in {dtype} ({why})"
     return matmul_rate(device, dtype), "measured matmuls"
 
 

@@ -78,8 +78,7 @@ try:
     # on a CPU a generation step multiplies a row per sequence by every weight, which autocast would cast to
     # bfloat16 again at every step: float32 (a Zen 5 that trains faster in bfloat16 sampled 108 tokens/s in it, 580
     # in float32)
-    dtype, dtype_reason, ctx = precision(device, "float32" if on_cpu_auto else dtype, model.config.n_embd,
-                                         model.config.block_size)
+    dtype, dtype_reason, ctx = precision(device, "float32" if on_cpu_auto else dtype)
     if on_cpu_auto:
         dtype_reason = "auto on a CPU: a generation step reads every weight, which bfloat16 would cast each step"
 except (FileNotFoundError, ValueError) as e:

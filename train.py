@@ -88,7 +88,7 @@ lr_decay_iters = 600000  # the schedule depends on max_iters only through this, 
 min_lr = 6e-5
 # system
 device = "cuda" if torch.cuda.is_available() else "cpu"
-dtype = "auto"           # auto: what the device computes fastest (runtime.choose_dtype); or float32, bfloat16, float16
+dtype = "auto"           # auto: what the device trains fastest in (runtime.choose_dtype); or float32, bfloat16, float16
 compile = None           # torch.compile; None: on CUDA (faster steps), not elsewhere (minutes of compiling on a CPU)
 seed = 1337
 peak_flops = 0.0         # FLOP/s of one device for MFU; 0: a default for the device (see default_peak_flops)
@@ -177,9 +177,9 @@ else:
         die(mismatch)
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
     evaluated = checkpoint.get("evaluated", True)  # False: written on a signal or timer, before its step's evaluation
-# for the device this process runs on; on a CPU measured at this width, or a resumed CPU run's own
+# for the device this process runs on; on a CPU measured by training steps of this model, or a resumed CPU run's own
 trained_on = (checkpoint["config"].get("dtype"), checkpoint["config"].get("device")) if init_from == "resume" else None
-dtype, dtype_reason, autocast = precision(device, dtype, n_embd, batch_size * block_size, trained_on)
+dtype, dtype_reason, autocast = precision(device, dtype, raw_model, (batch_size, block_size), trained_on)
 optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")  # float16 needs loss scaling; bfloat16 not
 

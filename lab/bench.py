@@ -51,7 +51,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.backends.registry import lookup_backend
 
-from runtime import (autocast_context, choose_dtype, compile_decode_step, default_peak_flops, synchronize,
+from runtime import (DTYPES, autocast_context, choose_dtype, compile_decode_step, default_peak_flops, synchronize,
                      tune_malloc)
 from configurator import configure, die
 from model import GPT, GPTConfig
@@ -94,10 +94,10 @@ compare_seconds = 60.0  # about how long compare_dtypes takes in all, a third fo
 # passes)
 compare_caches = False
 tuned_malloc = True  # False keeps glibc's default allocator policy, to measure what runtime.tune_malloc gains
-peak_flops = 0.0  # for MFU; 0 picks a default for the device (default_peak_flops below)
+peak_flops = 0.0  # for MFU; 0 picks a default for the device and precision (runtime.default_peak_flops)
 seed = 1337
 device = "cuda" if torch.cuda.is_available() else "cpu"  # or cpu, cuda:1, mps
-dtype = "auto"  # auto: the fastest precision the device computes natively (runtime.choose_dtype); or float32, ...
+dtype = "auto"  # auto: the precision the device trains this model fastest in (runtime.choose_dtype); or float32, ...
 compile = None  # torch.compile the model (warm-up steps absorb the compilation); None: on CUDA only
 compile_backend = "inductor"  # torch.compile's backend; "eager" checks the graph capture without the compiler's time
 configure(globals(), sys.argv[1:])
@@ -131,14 +131,17 @@ try:
                          loop_input=loop_input) for layers, loops in depths]
     if compile or compare_dtypes:  # a compiled model is benched
         lookup_backend(compile_backend)
-    dtype, dtype_reason = choose_dtype(device, dtype, n_embd, batch_size * block_size)
+    if dtype not in ("auto", *DTYPES):
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
 except (ValueError, torch._dynamo.exc.InvalidBackend) as e:
     die(str(e))
-# after choose_dtype: "auto" is no precision to build a model in
-precisions = [("float32", False), ("bfloat16", False), ("bfloat16", True)] if compare_dtypes else [(dtype, compile)]
 malloc_line = "allocator: glibc malloc keeps freed memory (runtime.tune_malloc)" if tuned_malloc and tune_malloc() \
     else "allocator: the C library's defaults"
-peak = peak_flops or default_peak_flops(device, dtype)[0]
+if not compare_dtypes:  # "auto" is no precision to build a model in: resolved by training steps of the first model
+    torch.manual_seed(seed)
+    measured = GPT(configs[0]) if dtype == "auto" and device_type == "cpu" else None
+    dtype, dtype_reason = choose_dtype(device, dtype, measured, (batch_size, block_size))
+precisions = [("float32", False), ("bfloat16", False), ("bfloat16", True)] if compare_dtypes else [(dtype, compile)]
 # compile_blocks compiles the blocks one by one, and the blocks of all models share one function, Block.forward, whose
 # graphs dynamo counts against one limit: a graph for each situation a block meets (training; the prompt, the cached
 # step and the growing uncached context of 1 and batch_size sequences; the window's refill; compare_caches' last_loop
@@ -391,6 +394,7 @@ for precision, compiled in precisions:
             print(f"{name}: one step took {dt:.3g} s{speed_against(dt, reference)}"
                   f"{' (compiling included)' if compiled else ''}, past its share of {share:.3g} s; not timed further")
         else:
+            peak = peak_flops or default_peak_flops(device, precision)[0]  # the peak of the precision it computes in
             mfu = flops_per_token(model) * tokens_per_step / dt / peak
             print(f"train: {tokens_per_step / dt:.0f} tokens/s, {dt * 1000:.1f} ms/step (median of {timed}), "
                   f"MFU {mfu * 100:.2f}% of {peak / 1e9:.0f} GFLOP/s")

@@ -248,7 +248,7 @@ if __name__ == "__main__":
         check_device(device)
         model, checkpoint = load_checkpoint(os.path.join(out_dir, "ckpt.pt"), device)
         require_text(checkpoint, out_dir)
-        dtype, dtype_reason, autocast = precision(device, dtype, model.config.n_embd, model.config.block_size)
+        dtype, dtype_reason, autocast = precision(device, dtype, model, (batch_size, model.config.block_size))
     except (ValueError, FileNotFoundError) as e:
         die(str(e))
     try:

@@ -103,7 +103,7 @@ batch_size = 8
 max_iters = 400           # the token budget: max_iters * batch_size * block_size tokens per run
 warmup_iters = 100        # Post-LN needs a real warmup: with 30, every Post-LN scheme stalled at unigram level
 eval_iters = 20
-dtype = "auto"            # one precision for every run; auto: measured once here (runtime.choose_dtype)
+dtype = "auto"            # one precision for every run; auto: measured once here (Runs.sweep_dtype), then kept
 # the settings as this file sets them: what the runs of a result that records no settings got (lab/sweep_runs.py)
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str))}
 given = set()             # the settings that config files and --key=value overrides set (configurator)
@@ -278,7 +278,8 @@ runner = Runs(out_dir, mode, on_chains, dataset, mode_budget, DEPTH_CONFIG, vari
               defaults=Runs(out_dir, mode, on_chains, mode_dataset, BUDGETS.get(grid_name, {}), DEPTH_CONFIG,
                             variant_settings, loop_list, checkpoint_minutes, **default_budget))
 train = runner.train
-run_dtype, dtype_reason = runner.sweep_dtype(dtype)
+# auto: measured on the deepest runs' model, those that take the longest
+run_dtype, dtype_reason = runner.sweep_dtype(dtype, max(grid, key=lambda job: job[1]))
 print(f"dtype {run_dtype} for every run: {dtype_reason}")
 if mode == "budget":
     from lab.sweep_budget import rate_at, rate_walk, report

@@ -293,9 +293,8 @@ class Runs:
         command, args = self.args(*job)
         steps = args["max_iters"]
         if args.get("init_from") == "resume":  # train.py compares only the model's settings with its checkpoint
-            starts = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if r["type"] == "start"] \
-                if os.path.isfile(os.path.join(run_dir, "metrics.jsonl")) else []
-            was, now = self.changed(starts[-1]["config"], job) if starts else ("", "")
+            started = self.last_start(run_dir)
+            was, now = self.changed(started, job) if started else ("", "")
             if was:
                 self.fail(f"{run_dir} holds a run stopped part-way with {was}, where this sweep's runs get {now}: give "
                           f"the sweep the settings of the runs in {self.out_dir}, or choose another --out_dir")
@@ -419,22 +418,55 @@ class Runs:
                                                            checkpoint["config"]["batch_size"], loops, autocast)
         return result
 
-    def sweep_dtype(self, dtype):
-        """(the precision of every run, why), kept as self.dtype. Runs that each measured could pick differently on a
-        noisy machine, so the sweep decides once: the precision of the runs it already has (float32 before sweeps
-        recorded it), else dtype as set, else measured here at the runs' shapes."""
-        runs_dir, done = os.path.join(self.out_dir, "runs"), set()
+    def last_start(self, run_dir):
+        """The config of the last start record in a run's metrics.jsonl (train.py's settings as it ran them, its dtype
+        resolved), or None where it has none."""
+        path = os.path.join(run_dir, "metrics.jsonl")
+        starts = [r for r in read_metrics(path) if r["type"] == "start"] if os.path.isfile(path) else []
+        return starts[-1]["config"] if starts else None
+
+    def runs_dtypes(self):
+        """The precisions of the runs in out_dir/runs that this sweep keeps: the finished ones (result.json; float32
+        before sweeps recorded it) and those stopped part-way, which resume from their checkpoint (ckpt.pt; the
+        precision of their last start record)."""
+        runs_dir, dtypes = os.path.join(self.out_dir, "runs"), set()
         for name in os.listdir(runs_dir) if os.path.isdir(runs_dir) else []:
-            if os.path.isfile(os.path.join(runs_dir, name, "result.json")):
-                done.add(self.read(os.path.join(runs_dir, name, "result.json")).get("dtype", "float32"))
-        if len(done) > 1 or done and dtype not in ("auto", *done):
+            run_dir = os.path.join(runs_dir, name)
+            if os.path.isfile(os.path.join(run_dir, "result.json")):
+                dtypes.add(self.read(os.path.join(run_dir, "result.json")).get("dtype", "float32"))
+            elif os.path.isfile(os.path.join(run_dir, "ckpt.pt")) and (config := self.last_start(run_dir)):
+                dtypes.add(config.get("dtype", "float32"))
+        return dtypes
+
+    def sweep_dtype(self, dtype, job=None):
+        """(the precision of every run, why), kept as self.dtype. Runs that each measured could pick differently on a
+        noisy machine, so the sweep decides once: the precision of the runs it has, finished or stopped part-way
+        (float32 before sweeps recorded it), else dtype as set, else measured here by training steps of job's model
+        (runtime.choose_dtype) on one thread, as the runs train."""
+        if len(done := self.runs_dtypes()) > 1 or done and dtype not in ("auto", *done):
             die(f"{self.out_dir} holds runs in {', '.join(sorted(done))}; a sweep keeps one precision: leave --dtype "
                 f"at auto or choose another --out_dir")
         if done:
             self.dtype = done.pop()
             return self.dtype, f"the precision of the runs in {self.out_dir}"
         try:
-            self.dtype, reason = choose_dtype("cpu", dtype, self.n_embd, self.batch_size * self.block_size)
+            model, batch_shape = self.model(job) if dtype == "auto" else (None, None)
+            self.dtype, reason = choose_dtype("cpu", dtype, model, batch_shape)
         except ValueError as e:
             die(str(e))
         return self.dtype, reason
+
+    def model(self, job):
+        """(a model.GPT as job's run builds it, its batch shape): for the measurement of its precision, on one thread
+        from here on (the runs' own setting: OMP_NUM_THREADS=1)."""
+        import torch
+        from dataset import EVAL_SEED, load_meta
+        from lab.tasks import make_task
+        from model import GPT, GPTConfig
+        torch.set_num_threads(1)
+        settings = self.settings(*job)
+        vocab_size = make_task(settings, "val", EVAL_SEED).vocab_size if self.on_chains else \
+            load_meta(os.path.join("data", self.dataset))["vocab_size"]
+        config = GPTConfig(**{k: v for k, v in settings.items() if k in GPTConfig.__dataclass_fields__},
+                           vocab_size=-(-vocab_size // 64) * 64)  # padded to a multiple of 64, as train.py pads it
+        return GPT(config), (settings["batch_size"], settings["block_size"])

@@ -1,4 +1,5 @@
 import ctypes
+import io
 import platform
 import random
 import sys
@@ -8,6 +9,8 @@ import pytest
 import torch
 
 import runtime
+from model import GPT
+from models import tiny
 from runtime import (autocast_context, choose_dtype, default_peak_flops, rng_states, set_rng_states, synchronize,
                     tune_malloc)
 
@@ -33,37 +36,58 @@ def test_cuda_with_native_bf16_gets_bfloat16_older_cuda_float16(gpu):
 
 @pytest.fixture
 def timings(monkeypatch):
-    """Made-up measurements: set the (float32, bfloat16) milliseconds that time_block_matmuls reports; its calls."""
-    made_up = dict(ms=(10.0, 5.0), calls=[])
+    """Made-up measurements on a CPU with bfloat16 instructions: set the milliseconds of each timed training step that
+    time_training_steps reports per dtype; its calls."""
+    made_up = dict(ms=dict(float32=[10.0, 10.0, 10.0], bfloat16=[5.0, 5.0, 5.0]), calls=[])
 
-    def measure(n_embd, rows):
-        made_up["calls"].append((n_embd, rows))
-        return made_up["ms"][0] / 1e3, made_up["ms"][1] / 1e3, min(rows, 64)
-    monkeypatch.setattr(runtime, "time_block_matmuls", measure)
+    def measure(model, batch_shape):
+        made_up["calls"].append((model, batch_shape))
+        return {dtype: [t / 1e3 for t in ms] for dtype, ms in made_up["ms"].items()}, 4, 1.25
+    monkeypatch.setattr(runtime, "time_training_steps", measure)
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     return made_up
 
 
-@pytest.mark.parametrize("float32_ms,bfloat16_ms,expected", [
-    (10.0, 5.0, "bfloat16"),
-    (10.0, 8.6, "bfloat16"),  # 1.16x
-    (10.0, 9.0, "float32"),  # 1.11x: close, so float32, which reproduces bit for bit
-    (10.0, 30.0, "float32"),  # a CPU that emulates bfloat16
+MODEL = object()  # what choose_dtype hands on to the (made-up) measurement
+
+
+@pytest.mark.parametrize("float32_ms,bfloat16_ms,expected,spread,needed", [
+    ([10.0, 12.0, 10.2], [5.0, 9.0, 5.1], "bfloat16", "2%", 1.05),  # the fastest steps count: others only add time
+    ([5.0, 5.1, 5.2], [10.0, 10.0, 10.0], "float32", "2%", 1.05),  # float32 the faster
+    ([10.0, 10.0, 10.0], [9.6, 9.6, 9.6], "float32", "0%", 1.05),  # 1.04x: within the margin, so float32
+    ([10.0, 10.0, 10.0], [8.0, 9.6, 30.0], "bfloat16", "20%", 1.20),  # 1.25x, beyond a spread of 20%
+    ([10.0, 10.0, 10.0], [8.0, 10.4, 10.8], "float32", "30%", 1.30),  # 1.25x, but the next step was 30% slower
 ])
-def test_a_cpu_takes_bfloat16_only_when_measured_clearly_faster(float32_ms, bfloat16_ms, expected, timings, gpu):
-    timings["ms"] = (float32_ms, bfloat16_ms)
-    assert choose_dtype("cpu", "auto", 256, 2048) == (
-        expected, f"one block's matrix products (64 x 256, forward and backward) measured "
-                  f"{float32_ms / bfloat16_ms:.2f}x as fast in bfloat16 as in float32 ({bfloat16_ms:.1f} ms against "
-                  f"{float32_ms:.1f} ms of CPU time); bfloat16 needs 1.15x")
-    assert timings["calls"] == [(256, 2048)]
+def test_a_cpu_takes_the_faster_precision_by_training_steps_and_float32_when_close(float32_ms, bfloat16_ms, expected,
+                                                                                   spread, needed, timings, gpu):
+    timings["ms"] = dict(float32=float32_ms, bfloat16=bfloat16_ms)
+    gain = min(float32_ms) / min(bfloat16_ms)
+    assert choose_dtype("cpu", "auto", MODEL, (16, 128)) == (
+        expected, f"training steps of this model on 4 of the batch's 16 sequences of 128 tokens, measured in 1.2 s: "
+                  f"the fastest of 3 steps: bfloat16 {min(bfloat16_ms):.1f} ms, float32 {min(float32_ms):.1f} ms, "
+                  f"bfloat16 {gain:.2f}x as fast; it needs {needed:.2f}x (the second-fastest steps up to {spread} "
+                  f"slower, and at least 5%)")
+    assert timings["calls"] == [(MODEL, (16, 128))]
     assert choose_dtype("cuda") == ("bfloat16", "NVIDIA A100-SXM4-80GB computes bfloat16 natively")  # per device
 
 
+def test_a_cpu_without_bfloat16_instructions_keeps_float32_unmeasured(timings, monkeypatch):
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: {"avx2", "fma"})  # a Zen 3: bfloat16 ran at 0.07x-0.10x
+    assert choose_dtype("cpu", "auto", MODEL, (16, 128)) == (
+        "float32", "this CPU has no bfloat16 instructions (avx512_bf16, amx_bf16): it would emulate them")
+    assert timings["calls"] == []
+
+
+def test_auto_on_a_cpu_needs_a_model_to_measure(timings):
+    with pytest.raises(ValueError, match="dtype=auto on a CPU measures training steps of the model"):
+        choose_dtype("cpu", "auto")
+
+
 def test_an_explicit_dtype_or_a_resumed_cpu_runs_own_wins_over_a_measurement(timings, gpu):
-    assert choose_dtype("cpu", "float32") == ("float32", "as set")
-    assert choose_dtype("cpu", "bfloat16", trained_on=("float32", "cpu")) == ("bfloat16", "as set")
+    assert choose_dtype("cpu", "float32", MODEL, (16, 128)) == ("float32", "as set")
+    assert choose_dtype("cpu", "bfloat16", MODEL, (16, 128), trained_on=("float32", "cpu")) == ("bfloat16", "as set")
     for trained in ("float32", "bfloat16", "float16"):  # float16 only as set, but a CPU run's own all the same
-        assert choose_dtype("cpu", "auto", trained_on=(trained, "cpu")) == (
+        assert choose_dtype("cpu", "auto", MODEL, (16, 128), trained_on=(trained, "cpu")) == (
             trained, "the precision its checkpoint was trained in on a CPU (a measurement could differ)")
     assert timings["calls"] == []  # nothing measured
     # a GPU's rule does not depend on a measurement: it stays
@@ -75,18 +99,26 @@ def test_a_cpu_resuming_a_gpu_checkpoint_measures(trained_on, timings):
     """A GPU's bfloat16 (or a V100's float16 with loss scaling) is no CPU's choice: kept, it ran 3.1x slower than
     float32 on a CPU that emulates bfloat16. A checkpoint of another device, or of unknown device or dtype (written
     before the config held them), gets the CPU's own rule."""
-    timings["ms"] = (10.0, 30.0)  # bfloat16 emulated
-    dtype, why = choose_dtype("cpu", "auto", 256, 2048, trained_on=trained_on)
-    assert dtype == "float32" and why.startswith("one block's matrix products (64 x 256") and timings["calls"]
+    timings["ms"] = dict(float32=[10.0] * 3, bfloat16=[30.0] * 3)
+    dtype, why = choose_dtype("cpu", "auto", MODEL, (16, 128), trained_on=trained_on)
+    assert dtype == "float32" and why.startswith("training steps of this model") and timings["calls"]
 
 
-def test_the_measurement_is_capped_in_size_and_leaves_seeds_and_threads_alone(monkeypatch):
-    monkeypatch.setattr(runtime, "MEASURE_FLOPS", 72 * 32 ** 2 * 20)  # 20 rows of width 32
-    threads, state = torch.get_num_threads(), torch.get_rng_state()
-    float32_seconds, bfloat16_seconds, rows = runtime.time_block_matmuls(32, 2048)
-    assert rows == 20 and 0 < float32_seconds < 1 and 0 < bfloat16_seconds < 1
-    assert runtime.time_block_matmuls(32, 12)[2] == 12  # fewer rows than the cap: as given
+def test_the_measurement_trains_a_copy_within_its_bounds_and_leaves_seeds_and_threads_alone(monkeypatch):
+    monkeypatch.setattr(runtime, "MEASURE_SECONDS", 0.0)  # the fewest rounds
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    weights, threads, state = {k: v.clone() for k, v in model.state_dict().items()}, torch.get_num_threads(), \
+        torch.get_rng_state()
+    times, sequences, seconds = runtime.time_training_steps(model, (3, 32))
+    assert set(times) == {"float32", "bfloat16"} and all(len(steps) == runtime.MEASURE_ROUNDS[0]
+                                                         for steps in times.values())
+    assert sequences == 1 and seconds >= sum(map(sum, times.values())) > 0  # a step over 0 s: one sequence
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
     assert torch.get_num_threads() == threads and torch.equal(torch.get_rng_state(), state)
+    monkeypatch.setattr(runtime, "MEASURE_SECONDS", 1e6)  # the most rounds, on the whole batch
+    times, sequences, _ = runtime.time_training_steps(model, (3, 32))
+    assert sequences == 3 and all(len(steps) == runtime.MEASURE_ROUNDS[1] for steps in times.values())
 
 
 def test_explicit_dtype_is_kept_and_unknown_is_an_error():
@@ -96,6 +128,25 @@ def test_explicit_dtype_is_kept_and_unknown_is_an_error():
         choose_dtype("cpu", "fp8")
     with pytest.raises(ValueError, match="unknown dtype 'auto'; choose float32, bfloat16 or float16"):
         autocast_context("cpu", "auto")  # resolve auto first
+
+
+@pytest.mark.parametrize("flags,times", [("avx512f", {"bfloat16": 1, "float16": 1}),
+                                         ("avx512f avx512_bf16 avx512_fp16", {"bfloat16": 2, "float16": 2}),
+                                         ("avx512f avx512_bf16 amx_bf16 amx_tile", {"bfloat16": 16, "float16": 1})])
+def test_mfu_on_a_cpu_is_against_the_peak_of_the_precision_it_computes_in(flags, times, monkeypatch):
+    """A bfloat16 run divided by float32's peak read 122.9% MFU on a Xeon with AMX: each precision has its own peak,
+    derived from float32's by what the CPU's instructions for it compute per cycle, and says so."""
+    cpuinfo = f"processor\t: 0\ncpu MHz\t\t: 2000.000\nflags\t\t: fpu {flags}\n"
+    monkeypatch.setattr(runtime, "open", lambda path, *args: io.StringIO(cpuinfo), raising=False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    float32 = 2 * 2000e6 * 2 * 16 * 2
+    assert default_peak_flops("cpu", "float32") == (float32, "2 threads x 2000 MHz x AVX512 in float32")
+    for dtype in ("bfloat16", "float16"):
+        flops, source = default_peak_flops("cpu", dtype)
+        assert flops == float32 * times[dtype]
+        assert source.startswith(f"2 threads x 2000 MHz x AVX512 in float32, x {times[dtype]} in {dtype} (")
+        assert source.endswith(f"(no {dtype} instructions: float32's)") == (times[dtype] == 1)
 
 
 def test_synchronize_and_peak_flops_use_the_device_given(gpu):

@@ -370,7 +370,7 @@ def test_a_tiny_real_sweep_records_kappa_and_resumes(early):
     assert r.stdout.count(" s)\n") == 4
     # one precision for all runs, measured once by the sweep (which one depends on this CPU)
     dtype = result["dtype"]
-    assert f"dtype {dtype} for every run: one block's matrix products" in r.stdout
+    assert f"dtype {dtype} for every run: training steps of this model on " in r.stdout
     assert {records[0]["config"]["dtype"] for records in (read_metrics(out / "runs" / name / "metrics.jsonl")
                                                           for name in os.listdir(out / "runs"))} == {dtype}
     r = sweep(*args)  # finished runs are not trained again, and the sweep keeps their precision
@@ -398,9 +398,10 @@ def test_depth_task_runs_are_tested_in_their_precision_measured_at_their_shapes(
     result = json.loads((folder / "bfloat16" / "runs" / "preln_R2_p0_lr0.003_seed1337" / "result.json").read_text())
     assert result["dtype"] == "bfloat16" and set(result["test_time"]) == {"2", "4"}
     assert result["test_time"]["2"] == result["accuracy"]  # at its own loop count, what train.py evaluated
-    # the precision measured at the runs' shapes: 4 sequences of config/depth_cpu.py's 16 cells (not of sweep.py's
-    # block_size 64) at width 32
-    assert "for every run: one block's matrix products (64 x 32, forward and backward)" in r.stdout, r.stdout
+    # the precision measured on the runs' model and batch: 4 sequences of config/depth_cpu.py's 16 cells (not of
+    # sweep.py's block_size 64)
+    assert "for every run: training steps of this model on 4 of the batch's 4 sequences of 16 tokens" in r.stdout, \
+        r.stdout
 
 
 @pytest.mark.parametrize("args,message", [

@@ -198,6 +198,55 @@ def test_a_run_stopped_part_way_with_other_settings_is_not_resumed(tmp_path):
     assert sorted(os.listdir(run_dir)) == ["ckpt.pt", "metrics.jsonl"]
 
 
+def depth_runs(out_dir):
+    """Runs of a depth-task sweep into out_dir: width 32, 4 sequences a step."""
+    return Runs(str(out_dir), "depth", True, "chains", dict(n_embd=32, batch_size=4, max_iters=4),
+                os.path.join(ROOT, "config", "depth_cpu.py"), lambda scheme: {}, [1, 2], 0.0, n_layer=2, n_head=4,
+                n_embd=32, block_size=16, batch_size=4, max_iters=4, warmup_iters=1, eval_iters=1)
+
+
+def test_a_sweep_keeps_the_precision_of_a_run_stopped_part_way_and_measures_nothing(tmp_path, monkeypatch, capsys):
+    """The resume command of a sweep at dtype=auto measured again, picked float32 where the first start had picked
+    bfloat16, and then refused its own run stopped part-way in bfloat16: the precision of a run that resumes from its
+    checkpoint (its last start record's) is the sweep's, as a finished run's is."""
+    monkeypatch.setattr("lab.sweep_runs.choose_dtype", lambda *args: pytest.fail("measured"))
+    runs = depth_runs(tmp_path)
+    part_way, unstarted = (tmp_path / "runs" / f"preln_R{n_loop}_p0_lr0.001_seed0" for n_loop in (2, 1))
+    part_way.mkdir(parents=True)
+    (part_way / "ckpt.pt").write_bytes(b"weights")
+    (part_way / "metrics.jsonl").write_text("".join(json.dumps(dict(type="start", iter=i, config=dict(dtype=dtype)))
+                                                    + "\n" for i, dtype in ((0, "float32"), (4, "bfloat16"))))
+    unstarted.mkdir()  # stopped before its first checkpoint: it starts over, in the sweep's precision
+    (unstarted / "metrics.jsonl").write_text(json.dumps(dict(type="start", iter=0, config=dict(dtype="float32"))))
+    assert runs.sweep_dtype("auto") == ("bfloat16", f"the precision of the runs in {tmp_path}")
+    assert runs.dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        runs.sweep_dtype("float32")
+    assert capsys.readouterr().err == f"error: {tmp_path} holds runs in bfloat16; a sweep keeps one precision: leave " \
+                                      f"--dtype at auto or choose another --out_dir\n"
+    write_result(tmp_path, "deeploop_R2_p0_lr0.001_seed0", **dict(RUN, scheme="deeploop"), dtype="float32")
+    with pytest.raises(SystemExit):
+        runs.sweep_dtype("auto")
+    assert "holds runs in bfloat16, float32; a sweep keeps one precision" in capsys.readouterr().err
+
+
+def test_a_sweep_without_runs_measures_the_model_of_the_run_it_is_given_on_one_thread(tmp_path, monkeypatch):
+    measured = []
+    monkeypatch.setattr("runtime.time_training_steps", lambda model, batch_shape: measured.append(
+        (model.config, batch_shape, torch.get_num_threads())) or (dict(float32=[2.0] * 3, bfloat16=[1.0] * 3), 4, 1.0))
+    monkeypatch.setattr("runtime.cpu_flags", lambda: {"avx512_bf16"})
+    threads = torch.get_num_threads()
+    try:
+        dtype, why = depth_runs(tmp_path).sweep_dtype("auto", ("preln", 2, 0.0, 1e-3, 0))
+    finally:
+        torch.set_num_threads(threads)
+    assert dtype == "bfloat16" and why.startswith("training steps of this model on 4 of the batch's 4 sequences of 16 "
+                                                  "tokens")
+    [(config, batch_shape, on_threads)] = measured
+    assert (config.n_layer, config.n_loop, config.n_embd, config.residual, config.block_size) == (2, 2, 32, "preln", 16)
+    assert config.vocab_size == 64 and batch_shape == (4, 16) and on_threads == 1  # 8 values and 16 cells, padded
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # signals: a sweep of one run of 1,000 steps (~3 s), signalled at its first steps
 
