@@ -339,12 +339,14 @@ class CheckpointFile:
                f"the folder) and {again}"
 
     def stopped(self, signum, argv, ddp):
-        """The line for a run stopped by signum once this file holds its step: the command line argv again, resuming."""
-        program = argv[0] if argv[0].startswith("-m ") else shlex.quote(argv[0])  # a module's "-m lab.train"
-        command = shlex.join(a for a in argv[1:] if not a.startswith("--init_from="))
+        """The line for a run stopped by signum once this file holds its step: the command line argv again, resuming,
+        quoted for a shell (argv[0] "-m lab.train": the module's command, as lab/train.py sets it)."""
+        program = argv[0].split(" ", 1) if argv[0].startswith("-m ") else [argv[0]]
+        command = shlex.join(["python", *program, *(a for a in argv[1:] if not a.startswith("--init_from=")),
+                              "--init_from=resume"])
         launcher = " (launched as this run was)" if ddp else ""
-        return (f"stopped by {signal.Signals(signum).name}: {self.path} holds step {self.step}; resume with: "
-                f"python {program} {command} --init_from=resume{launcher}".replace("  ", " "))
+        return f"stopped by {signal.Signals(signum).name}: {self.path} holds step {self.step}; resume with: " \
+               f"{command}{launcher}"
 
 
 class MetricsLog:

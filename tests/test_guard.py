@@ -4,6 +4,7 @@ import errno
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 
@@ -83,6 +84,15 @@ def test_the_line_of_a_stopped_run_names_the_command_that_resumes_it(tmp_path):
     assert ckpt.stopped(15, ["train.py", "config/x.py", "--init_from=scratch", "--out_dir=my out"], ddp=False) == \
         "stopped by SIGTERM: out/ckpt.pt holds step 7; resume with: python train.py config/x.py '--out_dir=my out' " \
         "--init_from=resume"
+    # a shell splits the command into the run's own arguments, quoted ones with two spaces or quotes in them too
+    for argv in (["train.py"], ["-m lab.train", "config/x.py", "--out_dir=/tmp/a  b", "--start=it's  \"so\""],
+                 ["/abs path/train.py", "--out_dir=  lead", "--init_from=scratch", "--n_loop=2"]):
+        line = ckpt.stopped(2, argv, ddp=True)
+        command = line.removeprefix("stopped by SIGINT: out/ckpt.pt holds step 7; resume with: ")
+        assert command.endswith(" (launched as this run was)")
+        program = argv[0].split(" ") if argv[0].startswith("-m ") else argv[:1]
+        assert shlex.split(command.removesuffix(" (launched as this run was)")) == \
+            ["python", *program, *(a for a in argv[1:] if a != "--init_from=scratch"), "--init_from=resume"]
     assert guard.CheckpointFile("out/ckpt.pt").kept() == "this run wrote no checkpoint yet"
 
 

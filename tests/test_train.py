@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -553,6 +554,31 @@ def test_signal_saves_the_step_and_resuming_equals_an_uninterrupted_run(workdir,
     assert max(logged_steps(out_dir)) == step - 1  # the step under way when the signal came was finished
     train(workdir, f"--out_dir={out_dir.name}", f"--max_iters={2 * HALF}", "--dropout=0.1", "--init_from=resume")
     assert_same_run(whole, out_dir)
+
+
+def test_a_stopped_lab_run_prints_the_command_that_resumes_it_under_the_lab(workdir):
+    """python -m lab.train, started through its own entry (which runs train.py), stopped by SIGTERM: the command it
+    prints, split as a shell splits it, is the run's own under -m lab.train (an out_dir with two spaces in it kept);
+    run as printed, it resumes the run under the lab, to its end."""
+    out_dir = workdir / "lab  stopped"
+    args = [*TINY, f"--out_dir={out_dir.name}", "--max_iters=24", "--eval_interval=12", *SAMPLED]
+    with open(workdir / f"train-{time.monotonic_ns()}.log", "w+") as log:
+        proc = Started("-m lab.train", *args, cwd=workdir, log=log)
+        proc.log = log
+        wait_for(lambda: logged_steps(out_dir), proc, "its first train record")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 75, output(proc)[-3000:]
+        line = output(proc).strip().splitlines()[-1]
+    match = re.fullmatch(rf"stopped by SIGTERM: {out_dir.name}/ckpt.pt holds step (\d+); resume with: (.*)", line)
+    assert match, line
+    command = shlex.split(match.group(2))
+    assert command == ["python", "-m", "lab.train", *args, "--init_from=resume"]
+    with open(workdir / f"train-{time.monotonic_ns()}.log", "w+") as log:
+        resumed = Started(" ".join(command[1:3]), *command[3:], cwd=workdir, log=log)
+        assert resumed.wait(timeout=120) == 0, log.read()
+    assert load(out_dir)["iter_num"] == 24 and load(out_dir)["lab"] == dict(loop_sampling="uniform", loop_min=1,
+                                                                              loop_max=3)
+    assert [(s["iter"], s["resumed"]) for s in records(out_dir, "start")] == [(0, False), (int(match.group(1)), True)]
 
 
 def test_a_second_signal_while_saving_stops_at_once_and_keeps_the_previous_checkpoint(workdir, first_half):
