@@ -15,7 +15,8 @@ training itself. Its guarantees (docs/preemption.md says how to use them on a cl
   process killed at any moment leaves the previous checkpoint or the new one; a failed write (a full disk) removes the
   temporary file and keeps the previous checkpoint.
 - metrics.jsonl never holds half a record: a failed write is cut off again (and the run stops at its next step), and
-  a record cut short by a killed run is removed when the run resumes.
+  a record cut short by a killed run is removed when the run resumes; so are the records that a run killed after its
+  last checkpoint wrote of the steps that the resumed run trains again, which holds each step's records once.
 - The NaN guard: a non-finite train loss stops the run before it is saved, so ckpt.pt keeps the last good state.
 - A resume continues the run it names or stops (resume_mismatch): other tokens, another model, other lab settings.
 - DDP: every decision to stop or to save is taken by all processes at the same step (Processes.agree), and a failure
@@ -356,17 +357,51 @@ class MetricsLog:
     def __init__(self, path):
         self.path, self.file, self.error = path, None, None
 
-    def open(self, append):
-        """A resumed run appends (a record cut short by a run killed while writing it goes first); a new one starts
-        the file afresh."""
-        if append and os.path.isfile(self.path):
-            with open(self.path, "rb+") as f:
-                whole = f.read().rfind(b"\n") + 1
-                if whole < f.seek(0, os.SEEK_END):
-                    print(f"note: {self.path} ended in a record cut short; removed it")
-                    f.truncate(whole)
+    def open(self, resumed_at=None):
+        """A run resumed from the checkpoint of step resumed_at appends, once the records that it writes again are
+        gone: those of a run killed after that checkpoint (train records from that step on, any record of a later
+        step) and a record cut short by a kill in the middle of its write. A new run starts the file afresh."""
+        if resumed_at is not None and os.path.isfile(self.path):
+            self._cut_back(resumed_at)
         # unbuffered: each record is one write, and a failed one is cut off again (write)
-        self.file = open(self.path, "ab" if append else "wb", buffering=0)
+        self.file = open(self.path, "wb" if resumed_at is None else "ab", buffering=0)
+
+    def _cut_back(self, step):
+        """The file without the records after the checkpoint of step, replaced whole (as ckpt.pt is) where any go."""
+        with open(self.path, "rb") as f:
+            data = f.read()
+        lines = data[:data.rfind(b"\n") + 1].splitlines(keepends=True)
+        kept = [line for line in lines if not self._redone(line, step)]
+        if sum(map(len, kept)) == len(data):
+            return
+        if len(kept) < len(lines):
+            print(f"note: {self.path} held {len(lines) - len(kept)} record(s) from after step {step}'s checkpoint "
+                  f"(a run killed later than it), which this run writes again; removed them")
+        if not data.endswith(b"\n"):
+            print(f"note: {self.path} ended in a record cut short; removed it")
+        tmp_path = self.path + ".tmp"
+        try:
+            with open(tmp_path, "wb") as f:
+                f.write(b"".join(kept))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp_path, self.path)
+        except OSError as e:
+            if os.path.exists(tmp_path):
+                os.remove(tmp_path)
+            die(f"writing {self.path} failed: {e.strerror or e}; it is unchanged; make room (or fix the folder) and "
+                f"resume again")
+
+    @staticmethod
+    def _redone(line, step):
+        """Whether line is a record that a run resumed from the checkpoint of step writes again: a train record
+        follows its step's training, an evaluation and a start record the step's checkpoint. Lines of any other form
+        stay."""
+        try:
+            record = json.loads(line)
+            return record["iter"] > step or record["iter"] == step and record["type"] == "train"
+        except (ValueError, KeyError, TypeError):
+            return False
 
     def write(self, record):
         """Append record as one JSON line -> whether it was written. A failed write (a full disk) is cut off again,

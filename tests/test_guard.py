@@ -40,7 +40,7 @@ class FullDisk:
 
 def test_metrics_log_cuts_a_failed_record_off_and_writes_none_after_it(tmp_path):
     metrics = guard.MetricsLog(str(tmp_path / "metrics.jsonl"))
-    metrics.open(append=False)
+    metrics.open()
     assert metrics.write(dict(type="train", iter=0))
     metrics.file = FullDisk(metrics.file, 10)
     assert not metrics.write(dict(type="train", iter=1, loss=2.5))
@@ -55,13 +55,38 @@ def test_metrics_log_removes_a_record_cut_short_when_it_appends(tmp_path, capsys
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"type": "start", "iter": 0}\n{"type": "train", "it')
     metrics = guard.MetricsLog(str(path))
-    metrics.open(append=True)
+    metrics.open(resumed_at=1)
     metrics.write(dict(type="start", iter=1))
     metrics.close()
     assert path.read_text() == '{"type": "start", "iter": 0}\n{"type": "start", "iter": 1}\n'
     assert capsys.readouterr().out == f"note: {path} ended in a record cut short; removed it\n"
-    guard.MetricsLog(str(path)).open(append=False)  # a run from scratch starts the file afresh
+    guard.MetricsLog(str(path)).open()  # a run from scratch starts the file afresh
     assert path.read_text() == ""
+
+
+def test_a_resumed_run_cuts_the_log_back_to_its_checkpoints_step(tmp_path, capsys, monkeypatch):
+    """A run killed (SIGKILL) after its checkpoint of step 4 logged steps 4 and 5 and an evaluation of step 6 whose
+    checkpoint write it did not finish: the run resumed from step 4 logs them again, so they go, in a file replaced
+    whole; the evaluation of step 4 (its checkpoint's) and the start records stay."""
+    path = tmp_path / "metrics.jsonl"
+    kept = [dict(type="start", iter=0), dict(type="eval", iter=0), *(dict(type="train", iter=i) for i in range(4)),
+            dict(type="start", iter=2), dict(type="eval", iter=4)]
+    gone = [dict(type="train", iter=4), dict(type="train", iter=5), dict(type="eval", iter=6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept + gone) + '{"type": "train", "it')
+    replaced = []
+    monkeypatch.setattr(guard.os, "replace", lambda src, dst: replaced.append(dst) or os.rename(src, dst))
+    metrics = guard.MetricsLog(str(path))
+    metrics.open(resumed_at=4)
+    metrics.write(dict(type="start", iter=4))
+    metrics.close()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == kept + [dict(type="start", iter=4)]
+    assert replaced == [str(path)] and os.listdir(tmp_path) == ["metrics.jsonl"]
+    assert capsys.readouterr().out == (
+        f"note: {path} held 3 record(s) from after step 4's checkpoint (a run killed later than it), which this run "
+        f"writes again; removed them\nnote: {path} ended in a record cut short; removed it\n")
+    before = path.read_bytes()
+    guard.MetricsLog(str(path)).open(resumed_at=4)  # nothing after the checkpoint: the file as it was, not rewritten
+    assert path.read_bytes() == before and replaced == [str(path)] and capsys.readouterr().out == ""
 
 
 def test_a_failed_checkpoint_write_keeps_the_previous_one_and_names_it(tmp_path, capsys, monkeypatch):

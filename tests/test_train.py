@@ -777,6 +777,25 @@ def test_a_record_cut_short_is_removed_on_resume(workdir, first_half):
     assert [r["iter"] for r in records(out_dir, "train")] == list(range(HALF + 1))
 
 
+def test_a_resume_drops_what_a_run_killed_after_its_checkpoint_logged(workdir, first_half, whole):
+    """A run killed (SIGKILL) after its checkpoint of step HALF had logged the steps after it: the resumed run logs
+    them again, and metrics.jsonl holds each step's records once, as the uninterrupted run's does."""
+    half_dir, _ = first_half
+    out_dir = workdir / "killed-later"
+    shutil.copytree(half_dir, out_dir)
+    later = [line for line in (whole / "metrics.jsonl").read_text().splitlines(keepends=True)
+             if json.loads(line)["iter"] > HALF or json.loads(line)["type"] == "train" and json.loads(line)["iter"] == HALF]
+    with open(out_dir / "metrics.jsonl", "a") as f:  # what the killed run logged: the uninterrupted run's later records
+        f.writelines(later[:-1])
+    result = train(workdir, f"--out_dir={out_dir.name}", f"--max_iters={2 * HALF}", "--init_from=resume",
+                   "--dropout=0.1")
+    assert f"note: {out_dir.name}/metrics.jsonl held {len(later) - 1} record(s) from after step {HALF}'s checkpoint " \
+           f"(a run killed later than it), which this run writes again; removed them" in result.stdout.splitlines()
+    assert [r["iter"] for r in records(out_dir, "train")] == list(range(2 * HALF))
+    assert [r["iter"] for r in records(out_dir, "eval")] == [0, 4, HALF, 8, 12]
+    assert_same_run(whole, out_dir)
+
+
 def test_ten_sigkills_at_random_moments_then_the_same_final_weights(workdir, whole):
     """A checkpoint at every step; ten times the run is killed (SIGKILL: no cleanup) at a random moment after it
     wrote a checkpoint of its own (so that every attempt gets further, however slow a loaded machine makes a step),
@@ -805,6 +824,7 @@ def test_ten_sigkills_at_random_moments_then_the_same_final_weights(workdir, who
     assert ckpt["iter_num"] == 2 * HALF
     for key, tensor in expected["model"].items():
         assert torch.equal(tensor, ckpt["model"][key]), key
+    assert [r["iter"] for r in records(out_dir, "train")] == list(range(2 * HALF))  # each step's record once
 
 
 def test_losses_are_read_only_at_log_steps_and_come_out_the_same(workdir, whole):
