@@ -288,8 +288,23 @@ def load_checkpoint(path, device="cpu"):
                          f"train.py run") from e
     if not isinstance(ckpt, dict) or ckpt.get("program") != "deeploop-train":
         raise ValueError(f"{path} was not written by this project's train.py; point --out_dir at a train.py run")
-    model = GPT(GPTConfig(**ckpt["model_args"]))
-    model.load_state_dict(ckpt["model"])
+    try:
+        model = GPT(GPTConfig(**ckpt["model_args"]))
+    except (KeyError, TypeError, ValueError) as e:
+        problem = "it has no model_args" if isinstance(e, KeyError) else f"its model_args make no model ({e})"
+    else:
+        weights = ckpt.get("model")
+        made, saved = ({k: tuple(v.shape) for k, v in state.items()} if isinstance(state, dict) else {}
+                       for state in (model.state_dict(), weights))
+        differ = sorted(k for k in made.keys() | saved.keys() if made.get(k) != saved.get(k))
+        problem = differ and (f"{len(differ)} of its weights do not fit the model its model_args make, e.g. "
+                              f"{differ[0]}: {saved.get(differ[0], 'none')} in the file, "
+                              f"{made.get(differ[0], 'none')} in the model")
+    if problem:
+        raise ValueError(f"{path} is marked as a checkpoint of this project's train.py, but {problem}: it was changed "
+                         f"after train.py wrote it; copy it again from its run, or point --out_dir at another "
+                         f"train.py run")
+    model.load_state_dict(weights)
     return model.to(device), ckpt
 
 

@@ -301,3 +301,32 @@ def test_start_over_moves_the_runs_evaluations_with_it_and_an_evaluation_alone_i
     (out_dir / "eval_piqa_0shot_loop2_iter300.json").write_text("second")
     assert one_line_exit(capsys, guard.lock_out_dir, str(out_dir)).startswith(
         f"{out_dir} holds an earlier run (eval_piqa_0shot_loop2_iter300.json), which a run from scratch would")
+
+
+def test_a_checkpoint_whose_model_args_do_not_make_its_weights_is_one_line(tmp_path):
+    """Tagged as this project's train.py checkpoint, but changed since: no model_args, model_args that make no model
+    or another model than its weights (KeyError, TypeError and load_state_dict's RuntimeError before)."""
+    from model import GPT, GPTConfig
+    args = dict(n_layer=1, n_loop=1, n_head=2, n_embd=16, block_size=8, vocab_size=64)
+    ckpt = dict(program="deeploop-train", model=GPT(GPTConfig(**args)).state_dict(), model_args=args)
+    path = str(tmp_path / "ckpt.pt")
+    fix = "it was changed after train.py wrote it; copy it again from its run, or point --out_dir at another train.py run"
+    for changed, problem in (
+            (dict(model_args=dict(args, loops=2)), "its model_args make no model (GPTConfig.__init__() got an "
+                                                   "unexpected keyword argument 'loops')"),
+            (dict(model_args=dict(args, n_head=3)), "its model_args make no model (n_embd=16 is not divisible by "
+                                                    "n_head=3)"),
+            (dict(model_args=dict(args, n_embd=32)), "17 of its weights do not fit the model its model_args make, e.g. "
+                                                     "lm_head.weight: (64, 16) in the file, (64, 32) in the model"),
+            (dict(model_args=dict(args, n_layer=2)), "12 of its weights do not fit the model its model_args make, e.g. "
+                                                     "transformer.h.1.attn.c_attn.bias: none in the file, (48,) in "
+                                                     "the model")):
+        torch.save({**ckpt, **changed}, path)
+        with pytest.raises(ValueError) as e:
+            guard.load_checkpoint(path)
+        assert str(e.value) == f"{path} is marked as a checkpoint of this project's train.py, but {problem}: {fix}"
+    torch.save({k: v for k, v in ckpt.items() if k != "model_args"}, path)
+    with pytest.raises(ValueError, match=f"but it has no model_args: {fix}$"):
+        guard.load_checkpoint(path)
+    torch.save(ckpt, path)
+    assert guard.load_checkpoint(path)[0].config.n_embd == 16
