@@ -170,10 +170,13 @@ def run_files(out_dir):
 
 def check_settings(config):
     """Stop with one line, before anything is written, on train.py settings that torch would refuse only later, once
-    out_dir and its lock exist: counts and sizes below 1, a negative rate, betas or dropout outside [0, 1)."""
+    out_dir and its lock exist, or that would make a run of no meaning: counts and sizes below 1, negative step
+    numbers, a negative rate, betas or dropout outside [0, 1)."""
     if small := [f"{k}={config[k]}" for k in ("eval_interval", "eval_iters", "log_interval", "gradient_accumulation_steps",
                                               "batch_size", "block_size", "n_layer", "n_head", "n_embd") if config[k] < 1]:
         die(f"{', '.join(small)}: counts and sizes must be >= 1")
+    if negative := [f"{k}={config[k]}" for k in ("max_iters", "warmup_iters", "lr_decay_iters") if config[k] < 0]:
+        die(f"{', '.join(negative)}: step numbers must be >= 0 (max_iters=0 evaluates the initial model only)")
     limits = dict(learning_rate=config["learning_rate"] >= 0, min_lr=config["min_lr"] >= 0,
                   weight_decay=config["weight_decay"] >= 0, beta1=0 <= config["beta1"] < 1,
                   beta2=0 <= config["beta2"] < 1, dropout=0 <= config["dropout"] < 1)

@@ -439,6 +439,9 @@ def test_missing_dataset_names_the_command_that_prepares_it(tmp_path):
     *[([arg], f"{arg[2:]}: learning_rate, min_lr and weight_decay must be >= 0, beta1, beta2 and dropout from 0 to "
               f"below 1") for arg in ("--learning_rate=-1.0", "--beta1=5.0", "--dropout=2.0", "--weight_decay=-0.1")],
     (["--beta2=1.0", "--min_lr=-1e-05"], "min_lr=-1e-05, beta2=1.0: learning_rate, min_lr and weight_decay must be"),
+    # a negative max_iters ran no step, wrote a checkpoint of step 0 and exited 0
+    (["--max_iters=-5"], "max_iters=-5: step numbers must be >= 0 (max_iters=0 evaluates the initial model only)"),
+    (["--lr_decay_iters=-1", "--warmup_iters=-2"], "warmup_iters=-2, lr_decay_iters=-1: step numbers must be >= 0"),
     # a block_size of 0 trained on to a nan loss at step 0
     (["--block_size=0"], "block_size=0: counts and sizes must be >= 1"),
     (["--n_embd=0", "--n_head=0"], "n_head=0, n_embd=0: counts and sizes must be >= 1"),
