@@ -82,8 +82,13 @@ def configure(namespace, argv, given=None, extra=None):
             if not os.path.isfile(arg):
                 die(f"config file not found: {arg} (config files live in config/, e.g. config/smoke_cpu.py)")
             settings = {}
-            with open(arg) as f:
-                source = f.read()
+            try:
+                with open(arg, encoding="utf-8") as f:
+                    source = f.read()
+            except UnicodeDecodeError as e:
+                die(f"{arg} is not UTF-8 text ({e.reason} at byte {e.start}): save it as UTF-8; {CONFIG_FILE}")
+            except OSError as e:
+                die(f"cannot read the config file {arg} ({e.strerror}): check its permissions")
             try:
                 exec(compile(source, arg, "exec"), settings)
             except SyntaxError as e:
