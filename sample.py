@@ -21,7 +21,7 @@ import time
 import torch
 
 from runtime import check_device, compile_decode_step, compiled_step_runs, precision, tune_malloc
-from configurator import configure, die
+from configurator import configure, die, read_text
 from dataset import get_tokenizer, valid_text
 from model import MAX_LOOPS
 from guard import load_checkpoint
@@ -74,14 +74,7 @@ if LAB:
     LAB.configure(globals())
 
 if start.startswith("FILE:"):
-    path = start[len("FILE:"):]
-    try:
-        with open(path, encoding="utf-8") as f:
-            start = f.read()
-    except OSError as e:
-        die(f"cannot read the prompt file {path} ({e.strerror}); pass --start=FILE:path/to/an/existing/file")
-    except UnicodeDecodeError as e:
-        die(f"the prompt file {path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8")
+    start = read_text(start[len("FILE:"):], "the prompt file", "pass --start=FILE:path/to/an/existing/file")
 
 try:
     check_device(device)

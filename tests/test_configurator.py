@@ -128,5 +128,5 @@ def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         configure(defaults(), [str(cfg)])
     assert e.value.code == 2
-    assert capsys.readouterr().err == (f"error: {cfg} is not UTF-8 text (invalid continuation byte at byte 3): save it "
-                                       f"as UTF-8; a config file holds python lines of settings, like batch_size = 4\n")
+    assert capsys.readouterr().err == (f"error: the config file {cfg} is not UTF-8 text (invalid continuation byte at "
+                                       f"byte 3); convert it to UTF-8\n")
