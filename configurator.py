@@ -31,6 +31,18 @@ def die(message):
     sys.exit(2)
 
 
+def read_text(path, what, fix):
+    """The text of the UTF-8 file at path, or a one-line error: what names the file ("the prompt file"), fix says
+    what to do when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        die(f"cannot read {what} {path} ({e.strerror}); {fix}")
+    except UnicodeDecodeError as e:
+        die(f"{what} {path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8")
+
+
 def require(*packages):
     """Import each of the lab's packages named, or stop with one line that names the file installing them: the
     lesson's requirements.txt leaves them out."""
@@ -82,8 +94,7 @@ def configure(namespace, argv, given=None, extra=None):
             if not os.path.isfile(arg):
                 die(f"config file not found: {arg} (config files live in config/, e.g. config/smoke_cpu.py)")
             settings = {}
-            with open(arg) as f:
-                source = f.read()
+            source = read_text(arg, "the config file", "check its permissions")
             try:
                 exec(compile(source, arg, "exec"), settings)
             except SyntaxError as e:

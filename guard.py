@@ -15,7 +15,8 @@ training itself. Its guarantees (docs/preemption.md says how to use them on a cl
   process killed at any moment leaves the previous checkpoint or the new one; a failed write (a full disk) removes the
   temporary file and keeps the previous checkpoint.
 - metrics.jsonl never holds half a record: a failed write is cut off again (and the run stops at its next step), and
-  a record cut short by a killed run is removed when the run resumes.
+  a record cut short by a killed run is removed when the run resumes; so are the records that a run killed after its
+  last checkpoint wrote of the steps that the resumed run trains again, which holds each step's records once.
 - The NaN guard: a non-finite train loss stops the run before it is saved, so ckpt.pt keeps the last good state.
 - A resume continues the run it names or stops (resume_mismatch): other tokens, another model, other lab settings.
 - DDP: every decision to stop or to save is taken by all processes at the same step (Processes.agree), and a failure
@@ -169,10 +170,13 @@ def run_files(out_dir):
 
 def check_settings(config):
     """Stop with one line, before anything is written, on train.py settings that torch would refuse only later, once
-    out_dir and its lock exist: counts and sizes below 1, a negative rate, betas or dropout outside [0, 1)."""
+    out_dir and its lock exist, or that would make a run of no meaning: counts and sizes below 1, negative step
+    numbers, a negative rate, betas or dropout outside [0, 1)."""
     if small := [f"{k}={config[k]}" for k in ("eval_interval", "eval_iters", "log_interval", "gradient_accumulation_steps",
                                               "batch_size", "block_size", "n_layer", "n_head", "n_embd") if config[k] < 1]:
         die(f"{', '.join(small)}: counts and sizes must be >= 1")
+    if negative := [f"{k}={config[k]}" for k in ("max_iters", "warmup_iters", "lr_decay_iters") if config[k] < 0]:
+        die(f"{', '.join(negative)}: step numbers must be >= 0 (max_iters=0 evaluates the initial model only)")
     limits = dict(learning_rate=config["learning_rate"] >= 0, min_lr=config["min_lr"] >= 0,
                   weight_decay=config["weight_decay"] >= 0, beta1=0 <= config["beta1"] < 1,
                   beta2=0 <= config["beta2"] < 1, dropout=0 <= config["dropout"] < 1)
@@ -287,8 +291,23 @@ def load_checkpoint(path, device="cpu"):
                          f"train.py run") from e
     if not isinstance(ckpt, dict) or ckpt.get("program") != "deeploop-train":
         raise ValueError(f"{path} was not written by this project's train.py; point --out_dir at a train.py run")
-    model = GPT(GPTConfig(**ckpt["model_args"]))
-    model.load_state_dict(ckpt["model"])
+    try:
+        model = GPT(GPTConfig(**ckpt["model_args"]))
+    except (KeyError, TypeError, ValueError) as e:
+        problem = "it has no model_args" if isinstance(e, KeyError) else f"its model_args make no model ({e})"
+    else:
+        weights = ckpt.get("model")
+        made, saved = ({k: tuple(v.shape) for k, v in state.items()} if isinstance(state, dict) else {}
+                       for state in (model.state_dict(), weights))
+        differ = sorted(k for k in made.keys() | saved.keys() if made.get(k) != saved.get(k))
+        problem = differ and (f"{len(differ)} of its weights do not fit the model its model_args make, e.g. "
+                              f"{differ[0]}: {saved.get(differ[0], 'none')} in the file, "
+                              f"{made.get(differ[0], 'none')} in the model")
+    if problem:
+        raise ValueError(f"{path} is marked as a checkpoint of this project's train.py, but {problem}: it was changed "
+                         f"after train.py wrote it; copy it again from its run, or point --out_dir at another "
+                         f"train.py run")
+    model.load_state_dict(weights)
     return model.to(device), ckpt
 
 
@@ -339,12 +358,14 @@ class CheckpointFile:
                f"the folder) and {again}"
 
     def stopped(self, signum, argv, ddp):
-        """The line for a run stopped by signum once this file holds its step: the command line argv again, resuming."""
-        program = argv[0] if argv[0].startswith("-m ") else shlex.quote(argv[0])  # a module's "-m lab.train"
-        command = shlex.join(a for a in argv[1:] if not a.startswith("--init_from="))
+        """The line for a run stopped by signum once this file holds its step: the command line argv again, resuming,
+        quoted for a shell (argv[0] "-m lab.train": the module's command, as lab/train.py sets it)."""
+        program = argv[0].split(" ", 1) if argv[0].startswith("-m ") else [argv[0]]
+        command = shlex.join(["python", *program, *(a for a in argv[1:] if not a.startswith("--init_from=")),
+                              "--init_from=resume"])
         launcher = " (launched as this run was)" if ddp else ""
-        return (f"stopped by {signal.Signals(signum).name}: {self.path} holds step {self.step}; resume with: "
-                f"python {program} {command} --init_from=resume{launcher}".replace("  ", " "))
+        return f"stopped by {signal.Signals(signum).name}: {self.path} holds step {self.step}; resume with: " \
+               f"{command}{launcher}"
 
 
 class MetricsLog:
@@ -354,17 +375,51 @@ class MetricsLog:
     def __init__(self, path):
         self.path, self.file, self.error = path, None, None
 
-    def open(self, append):
-        """A resumed run appends (a record cut short by a run killed while writing it goes first); a new one starts
-        the file afresh."""
-        if append and os.path.isfile(self.path):
-            with open(self.path, "rb+") as f:
-                whole = f.read().rfind(b"\n") + 1
-                if whole < f.seek(0, os.SEEK_END):
-                    print(f"note: {self.path} ended in a record cut short; removed it")
-                    f.truncate(whole)
+    def open(self, resumed_at=None):
+        """A run resumed from the checkpoint of step resumed_at appends, once the records that it writes again are
+        gone: those of a run killed after that checkpoint (train records from that step on, any record of a later
+        step) and a record cut short by a kill in the middle of its write. A new run starts the file afresh."""
+        if resumed_at is not None and os.path.isfile(self.path):
+            self._cut_back(resumed_at)
         # unbuffered: each record is one write, and a failed one is cut off again (write)
-        self.file = open(self.path, "ab" if append else "wb", buffering=0)
+        self.file = open(self.path, "wb" if resumed_at is None else "ab", buffering=0)
+
+    def _cut_back(self, step):
+        """The file without the records after the checkpoint of step, replaced whole (as ckpt.pt is) where any go."""
+        with open(self.path, "rb") as f:
+            data = f.read()
+        lines = data[:data.rfind(b"\n") + 1].splitlines(keepends=True)
+        kept = [line for line in lines if not self._redone(line, step)]
+        if sum(map(len, kept)) == len(data):
+            return
+        if len(kept) < len(lines):
+            print(f"note: {self.path} held {len(lines) - len(kept)} record(s) from after step {step}'s checkpoint "
+                  f"(a run killed later than it), which this run writes again; removed them")
+        if not data.endswith(b"\n"):
+            print(f"note: {self.path} ended in a record cut short; removed it")
+        tmp_path = self.path + ".tmp"
+        try:
+            with open(tmp_path, "wb") as f:
+                f.write(b"".join(kept))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp_path, self.path)
+        except OSError as e:
+            if os.path.exists(tmp_path):
+                os.remove(tmp_path)
+            die(f"writing {self.path} failed: {e.strerror or e}; it is unchanged; make room (or fix the folder) and "
+                f"resume again")
+
+    @staticmethod
+    def _redone(line, step):
+        """Whether line is a record that a run resumed from the checkpoint of step writes again: a train record
+        follows its step's training, an evaluation and a start record the step's checkpoint. Lines of any other form
+        stay."""
+        try:
+            record = json.loads(line)
+            return record["iter"] > step or record["iter"] == step and record["type"] == "train"
+        except (ValueError, KeyError, TypeError):
+            return False
 
     def write(self, record):
         """Append record as one JSON line -> whether it was written. A failed write (a full disk) is cut off again,

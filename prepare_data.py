@@ -378,6 +378,15 @@ def make_settings(source, files, subset, enc, val_fraction, seed, shard_size, ma
     return dict(settings, test_share=test_share) if test_share else settings
 
 
+def differing(settings, recorded):
+    """The settings of a request that differ from a folder's (its meta.json or progress.json), as one string, each as
+    "key=the folder's value there, the request's asked" (empty where none differs). A setting left out of one of them is
+    None there: test_share, recorded only where given."""
+    keys = dict.fromkeys([*settings, "test_share"])
+    return ", ".join(f"{k}={recorded.get(k)!r} there, {settings.get(k)!r} asked" for k in keys
+                     if recorded.get(k) != settings.get(k))
+
+
 def new_state(settings, parts):
     return dict(settings=settings, parts=[label for label, _ in parts], next=[0, 0], documents={s: 0 for s in SPLITS},
                 tokens={s: 0 for s in SPLITS}, shards={s: [] for s in SPLITS})
@@ -486,10 +495,9 @@ def prepare(source="builtin", tokenizer="gpt2", out_dir=None, name=None, subset=
             meta = load_meta(out_dir)
         except (ValueError, FileNotFoundError) as e:
             die(str(e))
-        changed = [k for k in settings if meta.get(k) != settings[k]]
-        if changed:
-            die(f"{out_dir} already holds a dataset prepared with other settings ({', '.join(changed)}): "
-                f"delete it, or choose another folder with --name or --out")
+        if changed := differing(settings, meta):
+            die(f"{out_dir} already holds a dataset prepared with other settings ({changed}): prepare with its "
+                f"settings, delete it, or choose another folder with --name or --out")
         log(f"{out_dir} is already prepared")
         return out_dir
     if os.path.exists(progress_path):
@@ -499,10 +507,9 @@ def prepare(source="builtin", tokenizer="gpt2", out_dir=None, name=None, subset=
             old = state["settings"]
         except (ValueError, KeyError, TypeError):
             die(f"{progress_path} is damaged: delete {out_dir} and prepare it again")
-        if old != settings:
-            changed = [k for k in settings if old.get(k) != settings[k]]
-            die(f"{out_dir} holds an unfinished run with other settings ({', '.join(changed)}): rerun it with "
-                f"the same settings to finish it, or delete the folder")
+        if changed := differing(settings, old):
+            die(f"{out_dir} holds an unfinished run with other settings ({changed}): rerun it with the same "
+                f"settings to finish it, or delete the folder")
     elif os.path.isdir(out_dir) and glob.glob(os.path.join(out_dir, "*.bin")):
         die(f"{out_dir} holds .bin files but no meta.json or progress.json: delete it, or choose another folder "
             f"with --name or --out")

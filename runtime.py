@@ -218,12 +218,18 @@ def compile_decode_step(model, n_loop=None):
     step = torch.compile(pass_, dynamic=True, options=dict(max_autotune=True))
 
     def next_logits(ids, caches):
-        if not caches or not 0 < caches[0].past < model.config.block_size - 1 or ids.size(1) > 1:
-            return pass_(ids, caches)  # the prompt (and a sliding window's refill); the step that fills the cache
+        if not compiled_step_runs(ids, caches, model.config.block_size):
+            return pass_(ids, caches)
         with inductor.patch(freezing=True):  # read when compiling; as an option of torch.compile it is ignored
             # a copy: the strides of idx[:, -1:] grow with the text, and one of 1 x 1 would compile it again
             return step(ids.clone(memory_format=torch.contiguous_format), caches)
     return next_logits
+
+
+def compiled_step_runs(ids, caches, block_size):
+    """Whether compile_decode_step's next_logits runs its compiled graph for these ids and caches: for one new token a
+    sequence, not for the prompt (nor a sliding window's refill) and not for the step that fills the cache."""
+    return bool(caches) and 0 < caches[0].past < block_size - 1 and ids.size(1) == 1
 
 
 def rng_states(device):

@@ -13,18 +13,33 @@ The samples go to stdout; what was loaded and how fast it ran go to stderr. The 
 (lab/sample.py), which brings settings of its own and generates the tokens.
 """
 
+import os
+import signal
 import sys
 import time
 
 import torch
 
-from runtime import check_device, compile_decode_step, precision, tune_malloc
-from configurator import configure, die
+from runtime import check_device, compile_decode_step, compiled_step_runs, precision, tune_malloc
+from configurator import configure, die, read_text
 from dataset import get_tokenizer, valid_text
 from model import MAX_LOOPS
 from guard import load_checkpoint
 
 LAB = globals().get("LAB")  # the seam (above): lab/sample.py's Lab under python -m lab.sample
+
+
+def interrupted(signum, frame):
+    """Ctrl-C ends sampling with one line, after the text printed so far, and the shell's code for SIGINT."""
+    try:
+        sys.stdout.flush()
+    except RuntimeError:  # the signal came in the middle of a write to stdout, which ends at exit
+        pass
+    os.write(2, b"\nstopped by SIGINT\n")  # not print: the signal may have come in the middle of one to stderr
+    sys.exit(128 + signum)
+
+
+signal.signal(signal.SIGINT, interrupted)
 
 out_dir = "out"  # the train.py run to sample from: reads out_dir/ckpt.pt
 start = "\n"  # the prompt, or "FILE:path" to read it from a file; "" starts at a document boundary
@@ -59,14 +74,7 @@ if LAB:
     LAB.configure(globals())
 
 if start.startswith("FILE:"):
-    path = start[len("FILE:"):]
-    try:
-        with open(path, encoding="utf-8") as f:
-            start = f.read()
-    except OSError as e:
-        die(f"cannot read the prompt file {path} ({e.strerror}); pass --start=FILE:path/to/an/existing/file")
-    except UnicodeDecodeError as e:
-        die(f"the prompt file {path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8")
+    start = read_text(start[len("FILE:"):], "the prompt file", "pass --start=FILE:path/to/an/existing/file")
 
 try:
     check_device(device)
@@ -94,15 +102,17 @@ if compile:
     # the prompt and the decode step are a few graphs per block; past the limit torch would silently run uncompiled,
     # so hitting it is an error
     torch._dynamo.config.fail_on_recompile_limit_hit = True
-next_logits, step_seconds = None, []
+next_logits, compiled_seconds = None, []
 if compile_step:
     step = compile_decode_step(model, n_loop or None)
 
     def next_logits(ids, caches):
-        """The compiled step, each call timed: the second is the first decode step, which compiles it."""
+        """The step, the calls that run it compiled timed: the first of them compiles it."""
+        compiled = compiled_step_runs(ids, caches, model.config.block_size)
         t = time.time()
         logits = step(ids, caches)
-        step_seconds.append(time.time() - t)
+        if compiled:
+            compiled_seconds.append(time.time() - t)
         return logits
 
 start = valid_text(start)  # a lone surrogate (--start='"\ud800"') becomes U+FFFD, as in the tokenizers
@@ -143,8 +153,13 @@ for k in range(num_samples):
     sys.stdout.flush()
     new_tokens += len(ids)
 dt = time.time() - t0
-compiling = f", of which {step_seconds[1]:.1f} s in the first decode step, which compiles it" \
-    if len(step_seconds) > 1 else ""
+compiling = ""
+if compiled_seconds:
+    compiling = f", of which {compiled_seconds[0]:.1f} s in the first compiled decode step, which compiles it"
+elif compile_step:
+    compiling = f"; no step ran compiled, so nothing was compiled: the prompt's pass and the steps that fill the " \
+                f"cache run uncompiled, and from a prompt of {cfg.block_size - 1} tokens on (block_size " \
+                f"{cfg.block_size}) every step is one of them"
 print(f"{new_tokens} tokens in {dt:.2f} s ({new_tokens / dt:.1f} tokens/s, use_cache={use_cache}){compiling}",
       file=sys.stderr)
 if LAB:

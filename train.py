@@ -284,7 +284,7 @@ def start_logs():
         except ImportError:  # before metrics.jsonl is made, which would leave out_dir holding a run of no step
             die("wandb_log=True needs the wandb package: pip install wandb (or leave wandb_log off)")
         wandb.init(project=wandb_project, name=wandb_run_name, config=config)
-    metrics.open(append=init_from == "resume")
+    metrics.open(iter_num if init_from == "resume" else None)
     peak_flops, peak_source = (peak_flops, "peak_flops") if peak_flops > 0 else default_peak_flops(device, dtype)
     n_params = raw_model.num_params()
     print(f"{n_params / 1e6:.2f}M parameters, {n_layer} blocks x {n_loop} loops ({residual}), vocab {vocab_size} "

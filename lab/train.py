@@ -15,7 +15,6 @@ Lab changed (a setting off its default) records that in its checkpoint, and trai
 """
 
 import os
-import runpy
 import sys
 from contextlib import nullcontext
 
@@ -144,5 +143,9 @@ class Lab:
 
 
 if __name__ == "__main__":
-    sys.argv[0] = "-m lab.train"  # what a stopped run's resume command starts with (guard.CheckpointFile.stopped)
-    runpy.run_path(TRAIN_PY, init_globals=dict(LAB=Lab()), run_name="__main__")
+    # what a stopped run's resume command starts with (guard.CheckpointFile.stopped); train.py is run here rather than
+    # by runpy.run_path, which sets sys.argv[0] to the file it runs until it returns
+    sys.argv[0] = "-m lab.train"
+    with open(TRAIN_PY) as f:
+        code = compile(f.read(), TRAIN_PY, "exec")
+    exec(code, dict(__name__="__main__", __file__=TRAIN_PY, LAB=Lab()))

@@ -131,13 +131,21 @@ def fork_python(run, argv, cwd, environ, out, err):
 class Started:
     """python <script> <args> in cwd, forked from this process (fork_python), its stdout and stderr to log (an open
     file): subprocess.Popen's pid, returncode, poll, wait, send_signal and kill, and log. env: variables added for
-    it."""
+    it. A script "-m lab.train" runs through the module's own entry, as python -m runs it (runpy.run_module), with
+    this process's sys.path."""
 
     def __init__(self, script, *args, cwd, log, env=None):
         self.log, self.returncode = log, None
-        path, argv0, namespace = entry(script)
-        self.pid = fork_python(lambda: execute(path, namespace), [argv0, *map(str, args)], cwd,
-                               {**os.environ, **(env or {})}, log, log)
+        if script.startswith("-m "):
+            def run():
+                return exit_code(lambda: runpy.run_module(script[len("-m "):], run_name="__main__", alter_sys=True))
+            argv0 = script  # run_module sets it to the module's file, as python -m does
+        else:
+            path, argv0, namespace = entry(script)
+
+            def run():
+                return execute(path, namespace)
+        self.pid = fork_python(run, [argv0, *map(str, args)], cwd, {**os.environ, **(env or {})}, log, log)
 
     def poll(self):
         if self.returncode is None:

@@ -120,3 +120,13 @@ def test_a_config_file_that_does_not_run_is_one_line_naming_its_line(tmp_path, c
     assert e.value.code == 2
     assert capsys.readouterr().err == f"error: {cfg}, {message}; a config file holds python lines of settings, like " \
                                       f"batch_size = 4\n"
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path, capsys):
+    cfg = tmp_path / "latin1.py"
+    cfg.write_bytes("# réglages\nbatch_size = 4\n".encode("latin-1"))
+    with pytest.raises(SystemExit) as e:
+        configure(defaults(), [str(cfg)])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (f"error: the config file {cfg} is not UTF-8 text (invalid continuation byte at "
+                                       f"byte 3); convert it to UTF-8\n")

@@ -4,6 +4,7 @@ import errno
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 
@@ -39,7 +40,7 @@ class FullDisk:
 
 def test_metrics_log_cuts_a_failed_record_off_and_writes_none_after_it(tmp_path):
     metrics = guard.MetricsLog(str(tmp_path / "metrics.jsonl"))
-    metrics.open(append=False)
+    metrics.open()
     assert metrics.write(dict(type="train", iter=0))
     metrics.file = FullDisk(metrics.file, 10)
     assert not metrics.write(dict(type="train", iter=1, loss=2.5))
@@ -54,13 +55,38 @@ def test_metrics_log_removes_a_record_cut_short_when_it_appends(tmp_path, capsys
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"type": "start", "iter": 0}\n{"type": "train", "it')
     metrics = guard.MetricsLog(str(path))
-    metrics.open(append=True)
+    metrics.open(resumed_at=1)
     metrics.write(dict(type="start", iter=1))
     metrics.close()
     assert path.read_text() == '{"type": "start", "iter": 0}\n{"type": "start", "iter": 1}\n'
     assert capsys.readouterr().out == f"note: {path} ended in a record cut short; removed it\n"
-    guard.MetricsLog(str(path)).open(append=False)  # a run from scratch starts the file afresh
+    guard.MetricsLog(str(path)).open()  # a run from scratch starts the file afresh
     assert path.read_text() == ""
+
+
+def test_a_resumed_run_cuts_the_log_back_to_its_checkpoints_step(tmp_path, capsys, monkeypatch):
+    """A run killed (SIGKILL) after its checkpoint of step 4 logged steps 4 and 5 and an evaluation of step 6 whose
+    checkpoint write it did not finish: the run resumed from step 4 logs them again, so they go, in a file replaced
+    whole; the evaluation of step 4 (its checkpoint's) and the start records stay."""
+    path = tmp_path / "metrics.jsonl"
+    kept = [dict(type="start", iter=0), dict(type="eval", iter=0), *(dict(type="train", iter=i) for i in range(4)),
+            dict(type="start", iter=2), dict(type="eval", iter=4)]
+    gone = [dict(type="train", iter=4), dict(type="train", iter=5), dict(type="eval", iter=6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept + gone) + '{"type": "train", "it')
+    replaced = []
+    monkeypatch.setattr(guard.os, "replace", lambda src, dst: replaced.append(dst) or os.rename(src, dst))
+    metrics = guard.MetricsLog(str(path))
+    metrics.open(resumed_at=4)
+    metrics.write(dict(type="start", iter=4))
+    metrics.close()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == kept + [dict(type="start", iter=4)]
+    assert replaced == [str(path)] and os.listdir(tmp_path) == ["metrics.jsonl"]
+    assert capsys.readouterr().out == (
+        f"note: {path} held 3 record(s) from after step 4's checkpoint (a run killed later than it), which this run "
+        f"writes again; removed them\nnote: {path} ended in a record cut short; removed it\n")
+    before = path.read_bytes()
+    guard.MetricsLog(str(path)).open(resumed_at=4)  # nothing after the checkpoint: the file as it was, not rewritten
+    assert path.read_bytes() == before and replaced == [str(path)] and capsys.readouterr().out == ""
 
 
 def test_a_failed_checkpoint_write_keeps_the_previous_one_and_names_it(tmp_path, capsys, monkeypatch):
@@ -83,6 +109,15 @@ def test_the_line_of_a_stopped_run_names_the_command_that_resumes_it(tmp_path):
     assert ckpt.stopped(15, ["train.py", "config/x.py", "--init_from=scratch", "--out_dir=my out"], ddp=False) == \
         "stopped by SIGTERM: out/ckpt.pt holds step 7; resume with: python train.py config/x.py '--out_dir=my out' " \
         "--init_from=resume"
+    # a shell splits the command into the run's own arguments, quoted ones with two spaces or quotes in them too
+    for argv in (["train.py"], ["-m lab.train", "config/x.py", "--out_dir=/tmp/a  b", "--start=it's  \"so\""],
+                 ["/abs path/train.py", "--out_dir=  lead", "--init_from=scratch", "--n_loop=2"]):
+        line = ckpt.stopped(2, argv, ddp=True)
+        command = line.removeprefix("stopped by SIGINT: out/ckpt.pt holds step 7; resume with: ")
+        assert command.endswith(" (launched as this run was)")
+        program = argv[0].split(" ") if argv[0].startswith("-m ") else argv[:1]
+        assert shlex.split(command.removesuffix(" (launched as this run was)")) == \
+            ["python", *program, *(a for a in argv[1:] if a != "--init_from=scratch"), "--init_from=resume"]
     assert guard.CheckpointFile("out/ckpt.pt").kept() == "this run wrote no checkpoint yet"
 
 
@@ -266,3 +301,32 @@ def test_start_over_moves_the_runs_evaluations_with_it_and_an_evaluation_alone_i
     (out_dir / "eval_piqa_0shot_loop2_iter300.json").write_text("second")
     assert one_line_exit(capsys, guard.lock_out_dir, str(out_dir)).startswith(
         f"{out_dir} holds an earlier run (eval_piqa_0shot_loop2_iter300.json), which a run from scratch would")
+
+
+def test_a_checkpoint_whose_model_args_do_not_make_its_weights_is_one_line(tmp_path):
+    """Tagged as this project's train.py checkpoint, but changed since: no model_args, model_args that make no model
+    or another model than its weights (KeyError, TypeError and load_state_dict's RuntimeError before)."""
+    from model import GPT, GPTConfig
+    args = dict(n_layer=1, n_loop=1, n_head=2, n_embd=16, block_size=8, vocab_size=64)
+    ckpt = dict(program="deeploop-train", model=GPT(GPTConfig(**args)).state_dict(), model_args=args)
+    path = str(tmp_path / "ckpt.pt")
+    fix = "it was changed after train.py wrote it; copy it again from its run, or point --out_dir at another train.py run"
+    for changed, problem in (
+            (dict(model_args=dict(args, loops=2)), "its model_args make no model (GPTConfig.__init__() got an "
+                                                   "unexpected keyword argument 'loops')"),
+            (dict(model_args=dict(args, n_head=3)), "its model_args make no model (n_embd=16 is not divisible by "
+                                                    "n_head=3)"),
+            (dict(model_args=dict(args, n_embd=32)), "17 of its weights do not fit the model its model_args make, e.g. "
+                                                     "lm_head.weight: (64, 16) in the file, (64, 32) in the model"),
+            (dict(model_args=dict(args, n_layer=2)), "12 of its weights do not fit the model its model_args make, e.g. "
+                                                     "transformer.h.1.attn.c_attn.bias: none in the file, (48,) in "
+                                                     "the model")):
+        torch.save({**ckpt, **changed}, path)
+        with pytest.raises(ValueError) as e:
+            guard.load_checkpoint(path)
+        assert str(e.value) == f"{path} is marked as a checkpoint of this project's train.py, but {problem}: {fix}"
+    torch.save({k: v for k, v in ckpt.items() if k != "model_args"}, path)
+    with pytest.raises(ValueError, match=f"but it has no model_args: {fix}$"):
+        guard.load_checkpoint(path)
+    torch.save(ckpt, path)
+    assert guard.load_checkpoint(path)[0].config.n_embd == 16

@@ -139,6 +139,39 @@ def test_test_share_holds_out_part_of_val_and_leaves_train_alone(tmp_path, corpu
     assert "test_share is the share of val's documents" in capsys.readouterr().err
 
 
+def test_test_share_is_part_of_what_makes_a_folder_the_same_corpus(tmp_path, corpus, capsys, monkeypatch):
+    """A folder made with --test_share counts as already prepared only for a request with the same share, and one made
+    without it only for a request without it (the val split would silently be another); an unfinished folder's error
+    names the setting that differs."""
+    sources, _ = corpus
+    kw = dict(val_fraction=0.5, seed=7, shard_size=40, quiet=True)
+    held = prepare(sources, out_dir=str(tmp_path / "held"), test_share=0.3, **kw)
+    plain = prepare(sources, out_dir=str(tmp_path / "plain"), **kw)
+    assert prepare(sources, out_dir=held, test_share=0.3, **kw) == held
+    for out, asked, there in ((held, {}, "test_share=0.3 there, None asked"),
+                              (plain, dict(test_share=0.3), "test_share=None there, 0.3 asked"),
+                              (held, dict(test_share=0.5), "test_share=0.3 there, 0.5 asked")):
+        err = expect_error(capsys, lambda: prepare(sources, out_dir=out, **asked, **kw), alone=True)
+        assert err == f"error: {out} already holds a dataset prepared with other settings ({there}): prepare with its " \
+                      f"settings, delete it, or choose another folder with --name or --out"
+
+    def write(path, pieces):  # a kill once the first chunk is written: an unfinished folder
+        if path.endswith("train_000001.bin"):
+            raise KeyboardInterrupt
+        return real_write(path, pieces)
+    real_write = prepare_data.write_shard
+    monkeypatch.setattr(prepare_data, "write_shard", write)
+    unfinished = str(tmp_path / "unfinished")
+    with pytest.raises(KeyboardInterrupt):
+        prepare(sources, out_dir=unfinished, test_share=0.3, **kw)
+    monkeypatch.undo()
+    err = expect_error(capsys, lambda: prepare(sources, out_dir=unfinished, **kw), alone=True)
+    assert err == f"error: {unfinished} holds an unfinished run with other settings (test_share=0.3 there, None " \
+                  f"asked): rerun it with the same settings to finish it, or delete the folder"
+    assert prepare(sources, out_dir=unfinished, test_share=0.3, **kw) == unfinished  # which finishes it
+    assert load_meta(unfinished)["split_sha256"] == load_meta(held)["split_sha256"]
+
+
 def test_bytes_prepare_round_trip(tmp_path, corpus):
     sources, docs = corpus
     out = prepare(sources[1:2], tokenizer="bytes", out_dir=str(tmp_path / "b"), val_fraction=0.0, quiet=True)

@@ -195,6 +195,16 @@ def test_ci_runs_the_readme_test_command_exactly():
     assert lines and ci_commands == [re.split(r"\s+#", lines[0])[0].strip()]
 
 
+def test_the_budget_studys_command_is_the_one_that_made_its_report():
+    """The README's command for the finding as training grows is docs/runs/budget_study.md's, less what only rebuilt
+    the report from the runs' file (--results_from, --report_only)."""
+    with open(os.path.join(ROOT, "docs", "runs", "budget_study.md")) as f:
+        made, = re.findall(r"Command: `([^`]*)`", f.read())
+    made = " ".join(arg for arg in made.split() if not arg.startswith(("--results_from=", "--report_only=")))
+    with open(os.path.join(ROOT, "README.md")) as f:
+        assert re.findall(r"`(python -m lab\.sweep --mode=budget[^`]*)`", f.read()) == [made]
+
+
 def test_every_pip_install_names_requirement_files_this_environment_satisfies():
     from importlib.metadata import PackageNotFoundError, version
     from packaging.requirements import Requirement

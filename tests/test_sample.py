@@ -2,6 +2,8 @@ import json
 import os
 import re
 import shutil
+import signal
+import time
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from model import GPT, GPTConfig
 from guard import load_checkpoint
 from dataset import get_tokenizer
 from prepare_data import prepare
-from scripts import block_calls_counted, run_script
+from scripts import Started, block_calls_counted, run_script
 from agreeing_loops import agree_after
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -231,8 +233,56 @@ def test_compile_step_generates_every_token_through_the_step_the_model_compiles(
     # per sample: the prompt "The ", a token a step until the cache holds block_size 32, then the slid window
     assert calls == [("made", 3)] + ([4] + [1] * 28 + [32]) * 2
     assert re.search(r"60 tokens in [0-9.]+ s \([0-9.]+ tokens/s, use_cache=True\), of which [0-9.]+ s in the first "
-                     r"decode step, which compiles it\n", result.stderr), result.stderr
+                     r"compiled decode step, which compiles it\n", result.stderr), result.stderr
     assert result.stdout == run("sample.py", *args).stdout
+
+
+def test_compile_step_with_a_prompt_that_fills_the_context_says_that_nothing_compiled(bytes_run, monkeypatch):
+    """A prompt of block_size - 1 tokens or more: every step fills or refills the cache, which runs uncompiled; the
+    line says so rather than that the first step compiled the graph."""
+    monkeypatch.setattr(runtime, "compile_decode_step",
+                        lambda model, n_loop=None: lambda ids, caches: model(ids, None, n_loop, caches, True)[0])
+    for prompt in ("x" * 31, "x" * 40):  # block_size 32
+        result = run("sample.py", f"--out_dir={bytes_run}", "--device=cpu", "--dtype=float32", f"--start={prompt}",
+                     "--num_samples=1", "--max_new_tokens=5", "--top_k=1", "--compile_step=True")
+        assert result.returncode == 0, result.stderr
+        assert re.search(r"5 tokens in [0-9.]+ s \([0-9.]+ tokens/s, use_cache=True\); no step ran compiled, so "
+                         r"nothing was compiled: the prompt's pass and the steps that fill the cache run uncompiled, "
+                         r"and from a prompt of 31 tokens on \(block_size 32\) every step is one of them\n$",
+                         result.stderr), result.stderr
+
+
+def test_a_checkpoint_whose_model_args_do_not_fit_its_weights_is_one_line(bytes_run, tmp_path):
+    ckpt = torch.load(bytes_run / "ckpt.pt", weights_only=True)
+    ckpt["model_args"]["n_embd"] = 32
+    (tmp_path / "run").mkdir()
+    torch.save(ckpt, tmp_path / "run" / "ckpt.pt")
+    for script in ("sample.py", "-m lab.sample"):
+        result = run(script, f"--out_dir={tmp_path / 'run'}", "--device=cpu", "--max_new_tokens=1")
+        assert (result.returncode, result.stdout) == (2, ""), result.stderr
+        assert re.fullmatch(r"error: \S+/run/ckpt.pt is marked as a checkpoint of this project's train.py, but \d+ of "
+                            r"its weights do not fit the model its model_args make, e\.g\. .*\n", result.stderr)
+
+
+@pytest.mark.parametrize("script", ["sample.py", "-m lab.sample"])
+def test_ctrl_c_ends_sampling_with_one_line_and_the_shells_code(bytes_run, tmp_path, script):
+    """SIGINT in the middle of a sample (the lab's entry run as python -m runs it): exit code 130 and one line, no
+    KeyboardInterrupt traceback; the text printed so far stays."""
+    with open(tmp_path / "log", "w+") as log:
+        proc = Started(script, f"--out_dir={bytes_run}", "--device=cpu", "--dtype=float32", "--start=ZZ",
+                       "--num_samples=1", "--max_new_tokens=1000000", cwd=tmp_path, log=log)
+        try:
+            deadline = time.monotonic() + 60
+            while "ZZ" not in (tmp_path / "log").read_text():  # the prompt is printed once sampling starts
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=60) == 130
+        finally:
+            proc.kill()
+            proc.wait()
+        text = (tmp_path / "log").read_text()
+    assert "Traceback" not in text and re.search(r"ZZ.*\nstopped by SIGINT\n$", text, re.S), text[-3000:]
 
 
 @pytest.mark.parametrize("setting,message", [

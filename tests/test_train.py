@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -438,6 +439,9 @@ def test_missing_dataset_names_the_command_that_prepares_it(tmp_path):
     *[([arg], f"{arg[2:]}: learning_rate, min_lr and weight_decay must be >= 0, beta1, beta2 and dropout from 0 to "
               f"below 1") for arg in ("--learning_rate=-1.0", "--beta1=5.0", "--dropout=2.0", "--weight_decay=-0.1")],
     (["--beta2=1.0", "--min_lr=-1e-05"], "min_lr=-1e-05, beta2=1.0: learning_rate, min_lr and weight_decay must be"),
+    # a negative max_iters ran no step, wrote a checkpoint of step 0 and exited 0
+    (["--max_iters=-5"], "max_iters=-5: step numbers must be >= 0 (max_iters=0 evaluates the initial model only)"),
+    (["--lr_decay_iters=-1", "--warmup_iters=-2"], "warmup_iters=-2, lr_decay_iters=-1: step numbers must be >= 0"),
     # a block_size of 0 trained on to a nan loss at step 0
     (["--block_size=0"], "block_size=0: counts and sizes must be >= 1"),
     (["--n_embd=0", "--n_head=0"], "n_head=0, n_embd=0: counts and sizes must be >= 1"),
@@ -553,6 +557,31 @@ def test_signal_saves_the_step_and_resuming_equals_an_uninterrupted_run(workdir,
     assert max(logged_steps(out_dir)) == step - 1  # the step under way when the signal came was finished
     train(workdir, f"--out_dir={out_dir.name}", f"--max_iters={2 * HALF}", "--dropout=0.1", "--init_from=resume")
     assert_same_run(whole, out_dir)
+
+
+def test_a_stopped_lab_run_prints_the_command_that_resumes_it_under_the_lab(workdir):
+    """python -m lab.train, started through its own entry (which runs train.py), stopped by SIGTERM: the command it
+    prints, split as a shell splits it, is the run's own under -m lab.train (an out_dir with two spaces in it kept);
+    run as printed, it resumes the run under the lab, to its end."""
+    out_dir = workdir / "lab  stopped"
+    args = [*TINY, f"--out_dir={out_dir.name}", "--max_iters=24", "--eval_interval=12", *SAMPLED]
+    with open(workdir / f"train-{time.monotonic_ns()}.log", "w+") as log:
+        proc = Started("-m lab.train", *args, cwd=workdir, log=log)
+        proc.log = log
+        wait_for(lambda: logged_steps(out_dir), proc, "its first train record")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 75, output(proc)[-3000:]
+        line = output(proc).strip().splitlines()[-1]
+    match = re.fullmatch(rf"stopped by SIGTERM: {out_dir.name}/ckpt.pt holds step (\d+); resume with: (.*)", line)
+    assert match, line
+    command = shlex.split(match.group(2))
+    assert command == ["python", "-m", "lab.train", *args, "--init_from=resume"]
+    with open(workdir / f"train-{time.monotonic_ns()}.log", "w+") as log:
+        resumed = Started(" ".join(command[1:3]), *command[3:], cwd=workdir, log=log)
+        assert resumed.wait(timeout=120) == 0, log.read()
+    assert load(out_dir)["iter_num"] == 24 and load(out_dir)["lab"] == dict(loop_sampling="uniform", loop_min=1,
+                                                                              loop_max=3)
+    assert [(s["iter"], s["resumed"]) for s in records(out_dir, "start")] == [(0, False), (int(match.group(1)), True)]
 
 
 def test_a_second_signal_while_saving_stops_at_once_and_keeps_the_previous_checkpoint(workdir, first_half):
@@ -751,6 +780,25 @@ def test_a_record_cut_short_is_removed_on_resume(workdir, first_half):
     assert [r["iter"] for r in records(out_dir, "train")] == list(range(HALF + 1))
 
 
+def test_a_resume_drops_what_a_run_killed_after_its_checkpoint_logged(workdir, first_half, whole):
+    """A run killed (SIGKILL) after its checkpoint of step HALF had logged the steps after it: the resumed run logs
+    them again, and metrics.jsonl holds each step's records once, as the uninterrupted run's does."""
+    half_dir, _ = first_half
+    out_dir = workdir / "killed-later"
+    shutil.copytree(half_dir, out_dir)
+    later = [line for line in (whole / "metrics.jsonl").read_text().splitlines(keepends=True)
+             if json.loads(line)["iter"] > HALF or json.loads(line)["type"] == "train" and json.loads(line)["iter"] == HALF]
+    with open(out_dir / "metrics.jsonl", "a") as f:  # what the killed run logged: the uninterrupted run's later records
+        f.writelines(later[:-1])
+    result = train(workdir, f"--out_dir={out_dir.name}", f"--max_iters={2 * HALF}", "--init_from=resume",
+                   "--dropout=0.1")
+    assert f"note: {out_dir.name}/metrics.jsonl held {len(later) - 1} record(s) from after step {HALF}'s checkpoint " \
+           f"(a run killed later than it), which this run writes again; removed them" in result.stdout.splitlines()
+    assert [r["iter"] for r in records(out_dir, "train")] == list(range(2 * HALF))
+    assert [r["iter"] for r in records(out_dir, "eval")] == [0, 4, HALF, 8, 12]
+    assert_same_run(whole, out_dir)
+
+
 def test_ten_sigkills_at_random_moments_then_the_same_final_weights(workdir, whole):
     """A checkpoint at every step; ten times the run is killed (SIGKILL: no cleanup) at a random moment after it
     wrote a checkpoint of its own (so that every attempt gets further, however slow a loaded machine makes a step),
@@ -779,6 +827,7 @@ def test_ten_sigkills_at_random_moments_then_the_same_final_weights(workdir, who
     assert ckpt["iter_num"] == 2 * HALF
     for key, tensor in expected["model"].items():
         assert torch.equal(tensor, ckpt["model"][key]), key
+    assert [r["iter"] for r in records(out_dir, "train")] == list(range(2 * HALF))  # each step's record once
 
 
 def test_losses_are_read_only_at_log_steps_and_come_out_the_same(workdir, whole):
