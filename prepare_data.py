@@ -450,10 +450,12 @@ def tokenize_into(out_dir, parts, enc, state, num_threads=None, quiet=False):
 
 def prepare(source="builtin", tokenizer="gpt2", out_dir=None, name=None, subset=None, val_fraction=None, seed=1337,
             shard_size=100_000_000, max_documents=None, max_tokens=None, num_threads=None, quiet=False,
-            test_share=None):
+            test_share=None, owner=None):
     """Prepare `source` ('builtin', 'openwebtext', 'fineweb_edu', or a list of .txt/.jsonl/.parquet paths and globs)
     into out_dir (default data/<name>) and return out_dir. Does nothing when the folder already holds this dataset,
-    resumes an interrupted run with the same arguments, and stops with a one-line error (exit code 2) on bad input."""
+    resumes an interrupted run with the same arguments, and stops with a one-line error (exit code 2) on bad input.
+    owner: the command whose own corpus out_dir is (lab.sweep_phi's), for whom a folder of other settings is in the
+    way, not a corpus to choose prepare_data.py's options for."""
     sources = [source] if isinstance(source, str) else list(source)
     kind = sources[0] if len(sources) == 1 and sources[0] in (*OFFLINE_SOURCES, *HUB_SOURCES) else "files"
     if kind == "fineweb_edu":
@@ -489,6 +491,8 @@ def prepare(source="builtin", tokenizer="gpt2", out_dir=None, name=None, subset=
         stdlib, info = stdlib_parts()
         settings.update(info)
     log = (lambda *a: None) if quiet else print
+    in_the_way = f"it is {owner}'s own corpus, which {owner} prepares: move the folder away or delete it" if owner \
+        else None
     meta_path, progress_path = os.path.join(out_dir, "meta.json"), os.path.join(out_dir, "progress.json")
     if os.path.exists(meta_path):
         try:
@@ -496,8 +500,8 @@ def prepare(source="builtin", tokenizer="gpt2", out_dir=None, name=None, subset=
         except (ValueError, FileNotFoundError) as e:
             die(str(e))
         if changed := differing(settings, meta):
-            die(f"{out_dir} already holds a dataset prepared with other settings ({changed}): prepare with its "
-                f"settings, delete it, or choose another folder with --name or --out")
+            die(f"{out_dir} already holds a dataset prepared with other settings ({changed}): " + (
+                in_the_way or "prepare with its settings, delete it, or choose another folder with --name or --out"))
         log(f"{out_dir} is already prepared")
         return out_dir
     if os.path.exists(progress_path):
@@ -508,11 +512,11 @@ def prepare(source="builtin", tokenizer="gpt2", out_dir=None, name=None, subset=
         except (ValueError, KeyError, TypeError):
             die(f"{progress_path} is damaged: delete {out_dir} and prepare it again")
         if changed := differing(settings, old):
-            die(f"{out_dir} holds an unfinished run with other settings ({changed}): rerun it with the same "
-                f"settings to finish it, or delete the folder")
+            die(f"{out_dir} holds an unfinished run with other settings ({changed}): " + (
+                in_the_way or "rerun it with the same settings to finish it, or delete the folder"))
     elif os.path.isdir(out_dir) and glob.glob(os.path.join(out_dir, "*.bin")):
-        die(f"{out_dir} holds .bin files but no meta.json or progress.json: delete it, or choose another folder "
-            f"with --name or --out")
+        die(f"{out_dir} holds .bin files but no meta.json or progress.json: " + (
+            in_the_way or "delete it, or choose another folder with --name or --out"))
     else:
         state = None
     if kind == "builtin":

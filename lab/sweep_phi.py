@@ -156,7 +156,7 @@ for width in width_list:
         die(f"every width must be a multiple of head_size={head_size}, got {width}")
 require("matplotlib")
 cells = [(w, s) for w in width_list for s in SHAPES_NEEDED]
-data_dir = prepare("stdlib", tokenizer="bytes", name=DATASET, test_share=0.5, quiet=True)
+data_dir = prepare("stdlib", tokenizer="bytes", name=DATASET, test_share=0.5, quiet=True, owner="lab.sweep_phi")
 meta = load_meta(data_dir)
 
 

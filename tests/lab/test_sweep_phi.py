@@ -4,6 +4,7 @@ runs.jsonl."""
 
 import json
 
+from dataset import FORMAT
 from scripts import run_script
 
 SECOND_PROCESS = True  # ~15 s of the sweep's planning and tables, run beside the rest of the session (conftest.py)
@@ -193,3 +194,17 @@ def test_two_budgets_report_each_and_the_differences_across_them(tmp_path):
         "(+0.033 ± 0.143 (3, p 0.42)) the interval holds zero." in table
     assert "- width 32, L(2x3): the lead fades: slope +0.047 ± 0.029 (3, p 0.02)" in table
     assert (out / "budgets.png").stat().st_size > 10000
+
+
+def test_a_corpus_of_other_settings_in_the_studys_folder_is_one_line_naming_the_study(tmp_path):
+    """prepare_data.py's way out (--name, --out) is no option of the study's."""
+    folder = tmp_path / "data" / "stdlib_bytes_heldout"
+    folder.mkdir(parents=True)
+    (folder / "meta.json").write_text(json.dumps(dict(format=FORMAT, test_share=0.3)))
+    r = run_script("lab/sweep_phi.py", f"--out_dir={tmp_path / 'phi'}", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: data/stdlib_bytes_heldout already holds a dataset prepared with other "
+                               "settings (") and "test_share=0.3 there, 0.5 asked" in r.stderr
+    assert r.stderr.endswith("): it is lab.sweep_phi's own corpus, which lab.sweep_phi prepares: move the folder "
+                             "away or delete it\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
