@@ -22,7 +22,11 @@ input; the folder is written aside and renamed into place (lab.export_hf.write_f
 probe and compared with the checkpoint's logits (over TOLERANCE is an error that removes it).
 
 --quantize=int8 stores the matrices of the matrix products in int8 (ONNX Runtime's dynamic quantization: the
-activations are quantized per step); the logit difference is then printed, not checked.
+activations are quantized per step); the logit difference is then printed, not checked. --eval_iters=20 also prints
+the val loss (train.py's evaluation windows) of the checkpoint and of the export, computed by a twin of its graph that
+returns every position's logits (same loops, same quantization), at the exported loop count.
+
+    python -m lab.export_onnx --out_dir=out-smoke --to=smoke-int8 --quantize=int8 --eval_iters=20
 """
 
 import errno
@@ -45,6 +49,7 @@ out_dir = "out"       # the train.py run to export (its ckpt.pt), or the path of
 to = ""               # the folder to write; it must not exist, or be empty
 n_loop = 0            # loops unrolled in the graph (0: the trained count)
 quantize = ""         # int8: the matrix products' weights in int8 (dynamic quantization)
+eval_iters = 0        # > 0: the val loss of the checkpoint and of this export's graph on as many batches of 8 windows
 # lab.sample's decoding, which the graph does not hold: it runs every loop and keeps an entry per visit
 exit_threshold = 0.0
 kv_cache = "per_visit"
@@ -208,14 +213,14 @@ def fill_folder(model, checkpoint, loops, quantized, folder):
             shutil.copyfile(os.path.join(gpt2_vocab_dir(), name), os.path.join(folder, name))
 
 
-def generator(folder, threads=0, optimization="all"):
+def generator(folder, threads=0, optimization="all", profile=False):
     """The folder's own Generator (its generate.py), as a user runs it."""
     import importlib.util
     spec = importlib.util.spec_from_file_location(f"onnx_generate_{abs(hash(folder))}",
                                                   os.path.join(folder, "generate.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.Generator(folder, threads, optimization)
+    return module.Generator(folder, threads, optimization, profile)
 
 
 def max_logit_difference(model, folder, loops):
@@ -253,12 +258,40 @@ def write(model, checkpoint, to, loops, quantized=""):
     return difference
 
 
+def val_losses(model, checkpoint, loops, quantized, iters, batch_size=8):
+    """(the checkpoint's val loss, the ONNX graph's) on train.py's first `iters` val batches (EVAL_SEED), the graph
+    exported with every position's logits into a temporary folder and quantized as the export is."""
+    import tempfile
+    import onnxruntime as ort
+    from dataset import EVAL_SEED, TokenWindows
+    cfg, n_vocab = model.config, get_tokenizer(checkpoint["tokenizer"]).n_vocab
+    data = TokenWindows(os.path.join("data", checkpoint["config"]["dataset"]), "val", cfg.block_size, EVAL_SEED)
+    empty = np.zeros((batch_size, cfg.n_head, 0, cfg.n_embd // cfg.n_head), np.float32)
+    inputs, _ = names(cfg.depth(loops))
+    with tempfile.TemporaryDirectory(prefix="export_onnx.") as tmp:
+        path = os.path.join(tmp, "model.onnx")
+        export_graph(model, path, loops, n_vocab, last_only=False)
+        if quantized:
+            quantize_int8(path)
+        session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        losses = []
+        for i in range(iters):
+            x, y = data.batch(i, batch_size)
+            with torch.no_grad():
+                expected = model.loss(model(x, n_loop=loops)[0][..., :n_vocab], y).item()
+            logits = session.run(["logits"], {"input_ids": x.numpy(), **{name: empty for name in inputs[1:]}})[0]
+            losses.append((expected, model.loss(torch.from_numpy(logits), y).item()))
+    return tuple(float(np.mean(column)) for column in zip(*losses))
+
+
 def check_settings():
     """The settings the export cannot hold -> raises ValueError naming what it supports."""
     if exit_threshold or kv_cache != "per_visit":
         raise ValueError("the ONNX export runs a fixed loop count with a KV cache entry per unrolled visit: adaptive "
                          "exit (--exit_threshold) and --kv_cache=last_loop are lab.sample's decoding, not exported; "
                          "drop them (--n_loop sets the loops)")
+    if eval_iters < 0:
+        raise ValueError(f"--eval_iters must be >= 0 (0: no evaluation), got {eval_iters}")
     if quantize not in ("", "int8"):
         raise ValueError(f"--quantize takes int8 (or nothing: float32), got {quantize!r}")
 
@@ -288,3 +321,10 @@ if __name__ == "__main__":
           f"{', int8' if quantize else ''}; model.onnx {os.path.getsize(os.path.join(to, 'model.onnx')) / 1e6:.2f} "
           f"MB, constants {stored / 1e6:.2f} MB for {params / 1e6:.2f} MB of parameters; logits in ONNX Runtime "
           f"differ from the checkpoint's by at most {difference:.2g}")
+    if eval_iters:
+        try:
+            expected, got = val_losses(model, checkpoint, loops, quantize, eval_iters)
+        except (ValueError, FileNotFoundError) as e:  # no prepared dataset here: the folder is written all the same
+            die(f"{e}; {to} is complete, only the val loss was not measured")
+        print(f"val loss at {loops} loops, {eval_iters} batches of 8 windows: checkpoint {expected:.4f}, this export "
+              f"({quantize or 'float32'}) {got:.4f}, change {got - expected:+.4f}")

@@ -30,7 +30,7 @@ class Generator:
     """The model of a folder (its config.json and model.onnx) in an ONNX Runtime session. The caches stay ONNX
     Runtime's between steps (I/O binding): a step's present.* are bound as the next step's past.*, never copied out."""
 
-    def __init__(self, folder=HERE, threads=0, optimization="all"):
+    def __init__(self, folder=HERE, threads=0, optimization="all", profile=False):
         with open(os.path.join(folder, "config.json")) as f:
             self.config = json.load(f)
         options = ort.SessionOptions()
@@ -39,7 +39,7 @@ class Generator:
             none=ort.GraphOptimizationLevel.ORT_DISABLE_ALL, basic=ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
             extended=ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
             all=ort.GraphOptimizationLevel.ORT_ENABLE_ALL)[optimization]
-        self.options = options
+        options.enable_profiling = profile  # a JSON trace of every node's time, written at end_profiling()
         self.session = ort.InferenceSession(os.path.join(folder, "model.onnx"), options,
                                             providers=["CPUExecutionProvider"])
         self.tokenizer = load_gpt2(folder) if self.config["tokenizer"] == "gpt2" else ByteTokenizer()

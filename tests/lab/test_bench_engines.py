@@ -69,3 +69,12 @@ def test_a_missing_checkpoint_is_one_line(tmp_path):
     r = run_script("lab/bench_engines.py", f"--out_dir={tmp_path / 'none'}", "--engines=project")
     assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1
     assert r.stderr.startswith(f"error: no checkpoint at {tmp_path / 'none' / 'ckpt.pt'}")
+
+
+def test_onnx_row_agrees_and_is_timed():
+    """ONNX Runtime (the lab.export_onnx folder's generate.py) beside the project: the same greedy tokens, a timed row."""
+    r = run_script("lab/bench_engines.py", *TINY, "--engines=project,onnx", "--onnx_profile=True")
+    assert r.returncode == 0, r.stderr
+    check_output(r.stdout, ["project", "onnx"])
+    profile = r.stdout.splitlines()[-1]
+    assert profile.startswith("ONNX Runtime's profiler, the nodes' time over the whole run: ") and "MatMul " in profile
