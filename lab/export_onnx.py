@@ -184,7 +184,12 @@ def quantize_int8(path):
     """The graph at path with its matrix products' weights in int8, in place (ONNX Runtime's dynamic quantization)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
     quantized = path + ".int8"
-    quantize_dynamic(path, quantized, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"])
+    root, level = logging.getLogger(), logging.getLogger().level
+    root.setLevel(logging.ERROR)  # the quantizer's advice to pre-process, which is for image models
+    try:
+        quantize_dynamic(path, quantized, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"])
+    finally:
+        root.setLevel(level)
     os.replace(quantized, path)
 
 

@@ -146,6 +146,7 @@ def test_int8(checkpoints, folders, tmp_path):
     (["--kv_cache=last_loop"], "adaptive exit (--exit_threshold) and --kv_cache=last_loop are lab.sample's"),
     (["--quantize=int4"], "--quantize takes int8 (or nothing: float32), got 'int4'"),
     (["--n_loop=-1"], "--n_loop must be a loop count from 1 to"),
+    (["--eval_iters=-1"], "--eval_iters must be >= 0 (0: no evaluation), got -1"),
 ])
 def test_bad_settings_one_line(checkpoints, tmp_path, args, message):
     r = run_script(SCRIPT, f"--out_dir={checkpoints['deeploop']}", f"--to={tmp_path / 'x'}", *args)
