@@ -75,6 +75,7 @@ def test_onnx_row_agrees_and_is_timed():
     """ONNX Runtime (the lab.export_onnx folder's generate.py) beside the project: the same greedy tokens, a timed row."""
     r = run_script("lab/bench_engines.py", *TINY, "--engines=project,onnx", "--onnx_profile=True")
     assert r.returncode == 0, r.stderr
-    check_output(r.stdout, ["project", "onnx"])
-    profile = r.stdout.splitlines()[-1]
+    *table, blank, profile = r.stdout.splitlines()
+    check_output("\n".join(table), ["project", "onnx"])
+    assert blank == ""
     assert profile.startswith("ONNX Runtime's profiler, the nodes' time over the whole run: ") and "MatMul " in profile
