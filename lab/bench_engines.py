@@ -18,7 +18,7 @@ on whole calls: the best of `repeats` calls for each count of sequences, the pro
 decode step is (the call for gen_tokens tokens - the call for one token) / (gen_tokens - 1), for one sequence: what
 a token costs once the prompt is read; step_sequences times it for more counts of sequences, each with a one-token
 call of its own. Its floor is the bytes a cached step must read (lab.flops.decode_step_bytes, at the mean cache length
-of the generation, for as many sequences) over the memory's read bandwidth measured here. Before timing, the three
+of the generation, for as many sequences) over the memory's read bandwidth measured here. Before timing, the
 engines decode one prompt greedily and the line says whether their tokens agree.
 
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, threads not pinned) with room for the largest count of

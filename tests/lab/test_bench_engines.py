@@ -55,7 +55,8 @@ def test_vllm_agrees_with_the_project_and_is_timed(early):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--engines=vllm,sglang"], "--engines takes a list of vllm, project, transformers, got 'vllm,sglang'"),
+    (["--engines=vllm,sglang"], "--engines takes a list of vllm, project, transformers, onnx, got 'vllm,sglang'"),
+    (["--onnx_optimization=max"], "--onnx_optimization takes one of none, basic, extended, all, got 'max'"),
     (["--sequences=0,8"], "--sequences takes counts of sequences >= 1 like 1,8,32, got '0,8'"),
     (["--gen_tokens=300"], "need --gen_tokens >= 2, --prompt_len >= 1 with prompt_len + gen_tokens <= the context "
                            "(256), --repeats >= 1 and --top_k >= 1"),
