@@ -55,7 +55,7 @@ exit_threshold = 0.0
 kv_cache = "per_visit"
 
 ONNX_FILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "onnx")
-DATASET_FILE = os.path.join(os.path.dirname(ONNX_FILES), "..", "dataset.py")
+DATASET_FILE = os.path.join(os.path.dirname(os.path.dirname(ONNX_FILES)), "dataset.py")  # the project's tokenizers
 TOLERANCE = 1e-4  # the largest logit difference from the checkpoint that a float32 export may have
 OPSET = 23
 
