@@ -24,7 +24,7 @@ engines decode one prompt greedily and the line says whether their tokens agree.
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, threads not pinned) with room for the largest count of
 sequences; --vllm_eager=False lets it compile its graphs (vLLM's default), which costs start-up time. ONNX Runtime
 runs on as many threads as torch, at the graph optimization level --onnx_optimization (all: its fusions, e.g.
-LayerNorm with the residual's Add, Gelu with its bias); --onnx_profile=True writes its profiler's trace and prints the
+LayerNorm with the residual's Add, Gelu with its bias); --onnx_profile=True turns its profiler on and prints the
 share of the time of each operator type over the whole run.
 """
 
@@ -174,8 +174,10 @@ def onnx_engine(path, folder):
 def onnx_profile_summary(run):
     """ONNX Runtime's trace of the run ended -> a line: the share of the nodes' time per operator type."""
     import json
-    with open(run.session.end_profiling()) as f:
+    trace = run.session.end_profiling()
+    with open(trace) as f:
         events = [e for e in json.load(f) if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    os.remove(trace)
     per_op = {}
     for event in events:
         per_op[event["args"]["op_name"]] = per_op.get(event["args"]["op_name"], 0) + event["dur"]

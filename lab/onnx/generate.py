@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -40,6 +41,7 @@ class Generator:
             extended=ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
             all=ort.GraphOptimizationLevel.ORT_ENABLE_ALL)[optimization]
         options.enable_profiling = profile  # a JSON trace of every node's time, written at end_profiling()
+        options.profile_file_prefix = os.path.join(tempfile.gettempdir(), "deeploop_onnx_profile")
         self.session = ort.InferenceSession(os.path.join(folder, "model.onnx"), options,
                                             providers=["CPUExecutionProvider"])
         self.tokenizer = load_gpt2(folder) if self.config["tokenizer"] == "gpt2" else ByteTokenizer()
