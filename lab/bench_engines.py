@@ -1,26 +1,31 @@
 """
-Generation of one model through three engines side by side: vLLM (lab.vllm_model, over its paged KV cache), the
-project's GPT.generate (model.py's per-visit cache) and transformers' generate (the lab.export_hf folder's remote
-code, which runs model.py's cache too). Tokens/s for each count of concurrent sequences, and the decode step of one
+Generation of one model through four engines side by side: vLLM (lab.vllm_model, over its paged KV cache), the
+project's GPT.generate (model.py's per-visit cache), transformers' generate (the lab.export_hf folder's remote
+code, which runs model.py's cache too) and ONNX Runtime (the lab.export_onnx folder's generate.py: the graph unrolled
+at the trained loop count, its caches kept in ONNX Runtime between steps by I/O binding). Tokens/s for each count of concurrent sequences, and the decode step of one
 sequence against its memory floor.
 
     python -m lab.bench_engines                            # the bench model of lab.bench, random weights
     python -m lab.bench_engines --out_dir=out-smoke        # a trained checkpoint (its tokenizer's vocabulary)
     python -m lab.bench_engines --sequences=1,8 --engines=project,vllm --gen_tokens=64
     python -m lab.bench_engines --step_sequences=1,8,32  # the decode step of 8 and 32 sequences too (docs/speed.md)
+    python -m lab.bench_engines --engines=onnx --onnx_optimization=basic --onnx_profile=True  # where its time goes
 
-The checkpoint is exported (lab.export_hf) into a temporary folder, which vLLM and transformers load and which is
-removed at the end. Every engine gets the same prompts (prompt_len random token ids each), samples gen_tokens new
+The checkpoint is exported (lab.export_hf, and lab.export_onnx for onnx) into a temporary folder, which vLLM,
+transformers and ONNX Runtime load and which is removed at the end. Every engine gets the same prompts (prompt_len random token ids each), samples gen_tokens new
 tokens per sequence (temperature 1, top_k; no end-of-text stop) in float32 on the CPU threads torch has, and is timed
 on whole calls: the best of `repeats` calls for each count of sequences, the prompt's pass included. A sequence's
 decode step is (the call for gen_tokens tokens - the call for one token) / (gen_tokens - 1), for one sequence: what
 a token costs once the prompt is read; step_sequences times it for more counts of sequences, each with a one-token
 call of its own. Its floor is the bytes a cached step must read (lab.flops.decode_step_bytes, at the mean cache length
-of the generation, for as many sequences) over the memory's read bandwidth measured here. Before timing, the three
+of the generation, for as many sequences) over the memory's read bandwidth measured here. Before timing, the
 engines decode one prompt greedily and the line says whether their tokens agree.
 
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, threads not pinned) with room for the largest count of
-sequences; --vllm_eager=False lets it compile its graphs (vLLM's default), which costs start-up time.
+sequences; --vllm_eager=False lets it compile its graphs (vLLM's default), which costs start-up time. ONNX Runtime
+runs on as many threads as torch, at the graph optimization level --onnx_optimization (all: its fusions, e.g.
+LayerNorm with the residual's Add, Gelu with its bias); --onnx_profile=True turns its profiler on and prints the
+share of the time of each operator type over the whole run.
 """
 
 import os
@@ -47,7 +52,7 @@ n_embd = 256
 block_size = 256
 residual = "deeploop"
 # the generation
-engines = "vllm,project,transformers"
+engines = "vllm,project,transformers,onnx"
 sequences = "1,8,32"   # counts of concurrent sequences
 step_sequences = ""    # the counts among them whose decode step is timed and set against its floor; empty: 1
 gen_tokens = 128       # new tokens per sequence
@@ -55,10 +60,13 @@ prompt_len = 16
 top_k = 200
 repeats = 3            # each cell is the best of this many calls
 vllm_eager = True      # False: vLLM compiles (its default; start-up takes longer)
+onnx_optimization = "all"  # ONNX Runtime's graph optimizations: none, basic, extended or all
+onnx_profile = False   # True: ONNX Runtime's profiler on; the time per operator type is printed at the end
 seed = 1337
 configure(globals(), sys.argv[1:])
 
-ENGINES = ("vllm", "project", "transformers")
+ENGINES = ("vllm", "project", "transformers", "onnx")
+ONNX_OPTIMIZATIONS = ("none", "basic", "extended", "all")
 GREEDY_TOKENS = 16  # the check that the engines agree before they are timed
 
 
@@ -76,6 +84,8 @@ def parsed_settings():
         raise ValueError(f"--sequences takes counts of sequences >= 1 like 1,8,32, got {sequences!r}")
     if step_sequences and not set(stepped) <= set(counts):
         raise ValueError(f"--step_sequences takes counts among --sequences ({sequences}), got {step_sequences!r}")
+    if onnx_optimization not in ONNX_OPTIMIZATIONS:
+        raise ValueError(f"--onnx_optimization takes one of {', '.join(ONNX_OPTIMIZATIONS)}, got {onnx_optimization!r}")
     if gen_tokens < 2 or prompt_len < 1 or prompt_len + gen_tokens > block_size or repeats < 1 or top_k < 1:
         raise ValueError(f"need --gen_tokens >= 2, --prompt_len >= 1 with prompt_len + gen_tokens <= the context "
                          f"({block_size}), --repeats >= 1 and --top_k >= 1")
@@ -144,6 +154,38 @@ def vllm_engine(folder, most):
     return generate
 
 
+def onnx_engine(path, folder):
+    """The checkpoint as lab.export_onnx writes it into folder, run by the folder's own Generator -> (generate, the
+    Generator)."""
+    import numpy as np
+    from lab.export_hf import load
+    from lab.export_onnx import generator, write
+    model, checkpoint, _, loops = load(path, folder)
+    write(model, checkpoint, folder, loops)
+    run = generator(folder, torch.get_num_threads(), onnx_optimization, onnx_profile)
+    rng = np.random.default_rng(seed)
+
+    def generate(prompts, tokens, greedy=False):
+        steps = run.stream(np.array(prompts, dtype=np.int64), tokens, 1.0, 1 if greedy else top_k, rng)
+        return np.concatenate(list(steps), axis=1).tolist()
+    return generate, run
+
+
+def onnx_profile_summary(run):
+    """ONNX Runtime's trace of the run ended -> a line: the share of the nodes' time per operator type."""
+    import json
+    trace = run.session.end_profiling()
+    with open(trace) as f:
+        events = [e for e in json.load(f) if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    os.remove(trace)
+    per_op = {}
+    for event in events:
+        per_op[event["args"]["op_name"]] = per_op.get(event["args"]["op_name"], 0) + event["dur"]
+    total = sum(per_op.values())
+    return ", ".join(f"{op} {t / total:.0%}" for op, t in sorted(per_op.items(), key=lambda kv: -kv[1])
+                     if t / total >= 0.01)
+
+
 def best_call(generate, prompts, tokens):
     """Seconds of the fastest of `repeats` calls."""
     best = float("inf")
@@ -162,6 +204,8 @@ if __name__ == "__main__":
             require("vllm")
         if "transformers" in names or "vllm" in names:
             require("transformers", "safetensors")
+        if "onnx" in names:
+            require("onnx", "onnxruntime", "onnxscript")
     except ValueError as e:
         die(str(e))
     with tempfile.TemporaryDirectory(prefix="bench_engines.") as tmp:
@@ -187,12 +231,15 @@ if __name__ == "__main__":
               f"{step_bytes / 1e6:.3g} MB: floor {floor * 1e3:.3g} ms", flush=True)
         generator = torch.Generator().manual_seed(seed)
         prompts = torch.randint(n_vocab, (max(counts), prompt_len), generator=generator).tolist()
-        started, engines_of = {}, {}
+        started, engines_of, onnx_run = {}, {}, None
         for name in names:
             t0 = time.perf_counter()
-            engines_of[name] = (vllm_engine(os.path.join(tmp, "hf"), max(counts)) if name == "vllm" else
-                                project_engine(model, n_vocab) if name == "project" else
-                                transformers_engine(os.path.join(tmp, "hf")))
+            if name == "onnx":
+                engines_of[name], onnx_run = onnx_engine(path or os.path.join(tmp, "ckpt.pt"), os.path.join(tmp, "onnx"))
+            else:
+                engines_of[name] = (vllm_engine(os.path.join(tmp, "hf"), max(counts)) if name == "vllm" else
+                                    project_engine(model, n_vocab) if name == "project" else
+                                    transformers_engine(os.path.join(tmp, "hf")))
             started[name] = time.perf_counter() - t0
         greedy = {name: generate(prompts[:1], GREEDY_TOKENS, greedy=True)[0] for name, generate in engines_of.items()}
         agree = all(ids == greedy[names[0]] for ids in greedy.values())
@@ -216,3 +263,5 @@ if __name__ == "__main__":
             print(f"| {name} | " + " | ".join(f"{n * gen_tokens / cells[n]:.0f}" for n in counts) + " | " + " | ".join(
                 f"{steps[n] * 1e3:.2f} ms | {steps[n] / floors[n]:.1f}" if n in steps else "— | —" for n in stepped)
                 + " |")
+        if onnx_run is not None and onnx_profile:
+            print(f"\nONNX Runtime's profiler, the nodes' time over the whole run: {onnx_profile_summary(onnx_run)}")

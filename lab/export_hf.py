@@ -350,14 +350,13 @@ def max_logit_difference(model, folder, loops, n_vocab, gpt2, probe):
     return (got - expected[..., :n_vocab]).abs().max().item()
 
 
-def write(model, checkpoint, path, to, loops, gpt2=False, repo=None):
-    """The export, written aside and renamed to `to`, then loaded and compared -> the largest logit difference. A
-    difference over TOLERANCE raises ValueError and removes the folder."""
-    enc = get_tokenizer(checkpoint["tokenizer"])
-    n_vocab, eot_id = enc.n_vocab, enc.eot_token
+def write_folder(to, fill):
+    """fill(folder) writes an export into a folder made aside, which is then renamed to `to` with an empty --to's mode
+    and group (load checked that `to` is absent or empty) -> remove(), which deletes what this run wrote and leaves an
+    empty --to as it was. A failure, Ctrl-C, SIGTERM or SIGHUP while filling removes what was written."""
     parent = os.path.dirname(os.path.abspath(to))
     os.makedirs(parent, exist_ok=True)
-    empty_folder = os.stat(to) if os.path.isdir(to) else None  # an empty --to (load checked it)
+    empty_folder = os.stat(to) if os.path.isdir(to) else None
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(to))}.", dir=parent)
 
     def like_empty_folder(folder):  # the empty --to's group and mode, set before any file is made in it (setgid)
@@ -372,10 +371,7 @@ def write(model, checkpoint, path, to, loops, gpt2=False, repo=None):
     try:
         if empty_folder:
             like_empty_folder(staging)
-        (write_gpt2 if gpt2 else write_looped)(model, staging, loops, n_vocab, eot_id)
-        write_tokenizer(checkpoint["tokenizer"], staging, model.config.block_size)
-        with open(os.path.join(staging, "README.md"), "w") as f:
-            f.write(model_card(model, checkpoint, path, loops, gpt2, repo or to))
+        fill(staging)
         umask = os.umask(0)
         os.umask(umask)
         if not empty_folder:
@@ -390,6 +386,21 @@ def write(model, checkpoint, path, to, loops, gpt2=False, repo=None):
         if empty_folder and not os.path.exists(to):
             remove()
         raise
+    return remove
+
+
+def write(model, checkpoint, path, to, loops, gpt2=False, repo=None):
+    """The export, written aside and renamed to `to`, then loaded and compared -> the largest logit difference. A
+    difference over TOLERANCE raises ValueError and removes the folder."""
+    enc = get_tokenizer(checkpoint["tokenizer"])
+    n_vocab, eot_id = enc.n_vocab, enc.eot_token
+
+    def fill(folder):
+        (write_gpt2 if gpt2 else write_looped)(model, folder, loops, n_vocab, eot_id)
+        write_tokenizer(checkpoint["tokenizer"], folder, model.config.block_size)
+        with open(os.path.join(folder, "README.md"), "w") as f:
+            f.write(model_card(model, checkpoint, path, loops, gpt2, repo or to))
+    remove = write_folder(to, fill)
     generator = torch.Generator().manual_seed(0)
     probe = torch.randint(n_vocab, (2, min(model.config.block_size, 32)), generator=generator)
     try:

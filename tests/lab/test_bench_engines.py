@@ -55,7 +55,8 @@ def test_vllm_agrees_with_the_project_and_is_timed(early):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--engines=vllm,sglang"], "--engines takes a list of vllm, project, transformers, got 'vllm,sglang'"),
+    (["--engines=vllm,sglang"], "--engines takes a list of vllm, project, transformers, onnx, got 'vllm,sglang'"),
+    (["--onnx_optimization=max"], "--onnx_optimization takes one of none, basic, extended, all, got 'max'"),
     (["--sequences=0,8"], "--sequences takes counts of sequences >= 1 like 1,8,32, got '0,8'"),
     (["--gen_tokens=300"], "need --gen_tokens >= 2, --prompt_len >= 1 with prompt_len + gen_tokens <= the context "
                            "(256), --repeats >= 1 and --top_k >= 1"),
@@ -69,3 +70,13 @@ def test_a_missing_checkpoint_is_one_line(tmp_path):
     r = run_script("lab/bench_engines.py", f"--out_dir={tmp_path / 'none'}", "--engines=project")
     assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1
     assert r.stderr.startswith(f"error: no checkpoint at {tmp_path / 'none' / 'ckpt.pt'}")
+
+
+def test_onnx_row_agrees_and_is_timed():
+    """ONNX Runtime (the lab.export_onnx folder's generate.py) beside the project: the same greedy tokens, a timed row."""
+    r = run_script("lab/bench_engines.py", *TINY, "--engines=project,onnx", "--onnx_profile=True")
+    assert r.returncode == 0, r.stderr
+    *table, blank, profile = r.stdout.splitlines()
+    check_output("\n".join(table), ["project", "onnx"])
+    assert blank == ""
+    assert profile.startswith("ONNX Runtime's profiler, the nodes' time over the whole run: ") and "MatMul " in profile
