@@ -359,9 +359,11 @@ class CheckpointFile:
 
     def stopped(self, signum, argv, ddp):
         """The line for a run stopped by signum once this file holds its step: the command line argv again, resuming,
-        quoted for a shell (argv[0] "-m lab.train": the module's command, as lab/train.py sets it)."""
+        quoted for a shell (argv[0] "-m lab.train": the module's command, as lab/train.py sets it). How the run
+        started (--init_from, --start_over, which a resume refuses) gives way to --init_from=resume."""
         program = argv[0].split(" ", 1) if argv[0].startswith("-m ") else [argv[0]]
-        command = shlex.join(["python", *program, *(a for a in argv[1:] if not a.startswith("--init_from=")),
+        command = shlex.join(["python", *program, *(a for a in argv[1:] if not a.startswith(("--init_from=",
+                                                                                              "--start_over="))),
                               "--init_from=resume"])
         launcher = " (launched as this run was)" if ddp else ""
         return f"stopped by {signal.Signals(signum).name}: {self.path} holds step {self.step}; resume with: " \

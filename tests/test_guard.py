@@ -109,6 +109,9 @@ def test_the_line_of_a_stopped_run_names_the_command_that_resumes_it(tmp_path):
     assert ckpt.stopped(15, ["train.py", "config/x.py", "--init_from=scratch", "--out_dir=my out"], ddp=False) == \
         "stopped by SIGTERM: out/ckpt.pt holds step 7; resume with: python train.py config/x.py '--out_dir=my out' " \
         "--init_from=resume"
+    # a run started over (a sweep's runs are) resumes without it: a resume refuses --start_over=True
+    assert ckpt.stopped(15, ["-m lab.train", "--out_dir=o", "--start_over=True"], ddp=False).endswith(
+        "resume with: python -m lab.train --out_dir=o --init_from=resume")
     # a shell splits the command into the run's own arguments, quoted ones with two spaces or quotes in them too
     for argv in (["train.py"], ["-m lab.train", "config/x.py", "--out_dir=/tmp/a  b", "--start=it's  \"so\""],
                  ["/abs path/train.py", "--out_dir=  lead", "--init_from=scratch", "--n_loop=2"]):
@@ -305,7 +308,7 @@ def test_start_over_moves_the_runs_evaluations_with_it_and_an_evaluation_alone_i
 
 def test_a_checkpoint_whose_model_args_do_not_make_its_weights_is_one_line(tmp_path):
     """Tagged as this project's train.py checkpoint, but changed since: no model_args, model_args that make no model
-    or another model than its weights (KeyError, TypeError and load_state_dict's RuntimeError before)."""
+    or another model than its weights (otherwise a KeyError, a TypeError or load_state_dict's RuntimeError)."""
     from model import GPT, GPTConfig
     args = dict(n_layer=1, n_loop=1, n_head=2, n_embd=16, block_size=8, vocab_size=64)
     ckpt = dict(program="deeploop-train", model=GPT(GPTConfig(**args)).state_dict(), model_args=args)
