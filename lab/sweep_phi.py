@@ -5,7 +5,7 @@ How many unique blocks is a loop worth, under DeepLoop and under Pre-LN, and doe
     python -m lab.sweep_phi --widths=64 --seeds=0,1  # any part of it, by override
     python -m lab.sweep_phi --report_only=True       # the tables and the plot of the runs finished so far
     python -m lab.sweep_phi --results_from=docs/runs/phi_study_runs.jsonl   # go on from a study's committed runs
-    python -m lab.sweep_phi --widths=64 --budgets=8000,24000,54000 --results_from=docs/runs/phi_budgets_runs.jsonl
+    python -m lab.sweep_phi --widths=64 --budgets=8000,54000 --results_from=docs/runs/phi_budgets_runs.jsonl
                                                      # the same as training grows, to one pass over the corpus
 
 Three shapes on the paper's block (`+paper`: RMSNorm, RoPE, normalized branch input) at the same number of steps:
@@ -30,7 +30,7 @@ until the best rate has both neighbours run); the other seeds then run at that r
 the final checkpoint's loss on the whole test split (every byte once, in windows of block_size), which nothing was
 chosen on. A run's test loss is computed once, after it trains, and kept in its result.json.
 
-Budgets. With several (--budgets=8000,24000,54000), each budget is a study of its own whose walks start where the
+Budgets. With several (--budgets=8000,54000), each budget is a study of its own whose walks start where the
 same cell's walk ended at the budget before (the first budget's as above), and the report adds, for each difference
 DeepLoop minus Pre-LN (L(2x3), the loop gain L(2x1) - L(2x3), phi), its interval at every budget, its slope per
 tenfold bytes (each seed's least-squares slope, then their t-interval) and a verdict: the lead persists, reverses,
@@ -302,14 +302,14 @@ def seed_loop_gains(steps, width, scheme):
     return {seed: short[seed] - looped[seed] for seed in short if seed in looped}
 
 
-def paired(a, b):
-    """t_interval of a - b over the seeds both have."""
-    return t_interval([a[seed] - b[seed] for seed in a if seed in b])
-
-
 def minus(a, b):
     """{seed: a - b} over the seeds both have."""
     return {seed: a[seed] - b[seed] for seed in a if seed in b}
+
+
+def paired(a, b):
+    """t_interval of a - b over the seeds both have."""
+    return t_interval(list(minus(a, b).values()))
 
 
 def fmt_phi(stat):

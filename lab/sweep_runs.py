@@ -243,13 +243,15 @@ class Runs:
             try:
                 run = json.loads(line)
             except ValueError as e:
-                die(f"--results_from={path}, line {number}: not JSON ({e.msg} at column {e.colno}): {STUDY_FILE}")
+                die(f"--results_from={path}, line {number}: not JSON ({e.msg} at column {e.colno}): {study_file}")
             if why := bad_record(run, steps=True):
                 die(f"--results_from={path}, line {number}: {why}: {study_file}")
             cells.add(run.get("cell"))
             if run.get("cell") != cell:
                 continue
-            if missing := [k for k in needs if not isinstance(run.get(k), (int, float)) or isinstance(run[k], bool)]:
+            # a diverged run (no val loss) has nothing to compute the needed figures from
+            if run["val_loss"] is not None and (missing := [k for k in needs if not isinstance(run.get(k), (int, float))
+                                                            or isinstance(run[k], bool)]):
                 die(f"--results_from={path}, line {number}: run {run['name']} has no {', '.join(missing)}: "
                     f"{study_file}")
             job = (run["scheme"], run["n_loop"], run["exponent"], run["lr"], run["seed"], run["steps"])

@@ -123,6 +123,12 @@ def test_results_from_is_checked_whole_before_anything_is_written(tmp_path):
         assert r.stderr.startswith(f"error: --results_from={broken}, line {len(lines)}: run {last['name']} has no "
                                    f"test_loss: name the file a phi study wrote, e.g. docs/runs/phi_study_runs.jsonl")
         assert not elsewhere.exists()
+    # a diverged run has no test loss to need
+    diverged = dict(last, val_loss=None)
+    broken.write_text("\n".join(lines[:-1] + [json.dumps(diverged)]) + "\n")
+    r = run_script("lab/sweep_phi.py", f"--out_dir={elsewhere}", f"--results_from={broken}", *ARGS)
+    assert r.returncode == 0 and "runs of w64_6x1 taken as done" in r.stdout, r.stderr
+    elsewhere = tmp_path / "elsewhere2"
     # a budget study's file says it is one
     budget_file = tmp_path / "budget.jsonl"
     budget_file.write_text("".join(json.dumps({k: v for k, v in json.loads(line).items() if k != "cell"}) + "\n"
