@@ -78,9 +78,9 @@ def time_training_steps(model, batch_shape, dtypes=("float32", "bfloat16")):
     """({dtype: [seconds of each timed step]}, sequences per step, seconds it all took): training steps of a copy of
     model (forward, backward and AdamW step, as configure_optimizers makes it) on random tokens, in each dtype through
     autocast as training runs it, on the threads the process has, in wall time. First an untimed step of each on one
-    sequence of batch_shape's (first-use costs: kernels generated, buffers allocated), which sizes the timed steps:
-    as many of batch_shape's sequences as fit in MEASURE_SECONDS / 10 at that step's pace (one at least; untimed once
-    more if more than one). Then rounds of one step of each, the dtypes taking turns, so that a change in load slows
+    sequence of batch_shape's (first-use costs: kernels generated, buffers allocated), then a second, warm one, which
+    sizes the timed steps: as many of batch_shape's sequences as fit in MEASURE_SECONDS / 10 at that step's pace (one
+    at least; untimed once more if more than one). Then rounds of one step of each, the dtypes taking turns, so that a change in load slows
     them alike: at least MEASURE_ROUNDS[0], at most MEASURE_ROUNDS[1], and no round starts that would end past
     MEASURE_SECONDS. Fewer sequences than the run's weigh the optimizer step and autocast's casts of the weights
     more, which err towards float32. The run's model keeps its weights, and its random generators their states."""
@@ -101,6 +101,8 @@ def time_training_steps(model, batch_shape, dtypes=("float32", "bfloat16")):
     times = {dtype: [] for dtype in dtypes}
     start = time.perf_counter()
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        for dtype in dtypes:  # first use: kernels generated, buffers allocated
+            step(dtype, 1)
         one = max(step(dtype, 1) for dtype in dtypes)
         sequences = max(1, min(batch_shape[0], int(MEASURE_SECONDS / 10 / one)))
         if sequences > 1:

@@ -134,7 +134,7 @@ def test_explicit_dtype_is_kept_and_unknown_is_an_error():
                                          ("avx512f avx512_bf16 avx512_fp16", {"bfloat16": 2, "float16": 2}),
                                          ("avx512f avx512_bf16 amx_bf16 amx_tile", {"bfloat16": 16, "float16": 1})])
 def test_mfu_on_a_cpu_is_against_the_peak_of_the_precision_it_computes_in(flags, times, monkeypatch):
-    """A bfloat16 run divided by float32's peak read 122.9% MFU on a Xeon with AMX: each precision has its own peak,
+    """Divided by float32's peak, a bfloat16 run reads 122.9% MFU on a Xeon with AMX: each precision has its own peak,
     derived from float32's by what the CPU's instructions for it compute per cycle, and says so."""
     cpuinfo = f"processor\t: 0\ncpu MHz\t\t: 2000.000\nflags\t\t: fpu {flags}\n"
     monkeypatch.setattr(runtime, "open", lambda path, *args: io.StringIO(cpuinfo), raising=False)

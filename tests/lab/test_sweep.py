@@ -4,6 +4,7 @@ result.json is not trained again, so these tests train nothing), and one tiny re
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -370,7 +371,8 @@ def test_a_tiny_real_sweep_records_kappa_and_resumes(early):
     assert r.stdout.count(" s)\n") == 4
     # one precision for all runs, measured once by the sweep (which one depends on this CPU)
     dtype = result["dtype"]
-    assert f"dtype {dtype} for every run: training steps of this model on " in r.stdout
+    assert f"dtype {dtype} for every run: training steps of this model on " in r.stdout or \
+        f"dtype float32 for every run: this CPU has no bfloat16 instructions" in r.stdout  # then not measured
     assert {records[0]["config"]["dtype"] for records in (read_metrics(out / "runs" / name / "metrics.jsonl")
                                                           for name in os.listdir(out / "runs"))} == {dtype}
     r = sweep(*args)  # finished runs are not trained again, and the sweep keeps their precision
@@ -400,8 +402,8 @@ def test_depth_task_runs_are_tested_in_their_precision_measured_at_their_shapes(
     assert result["test_time"]["2"] == result["accuracy"]  # at its own loop count, what train.py evaluated
     # the precision measured on the runs' model and batch: 4 sequences of config/depth_cpu.py's 16 cells (not of
     # sweep.py's block_size 64)
-    assert "for every run: training steps of this model on 4 of the batch's 4 sequences of 16 tokens" in r.stdout, \
-        r.stdout
+    assert re.search(r"for every run: training steps of this model on \d of the batch's 4 sequences of 16 tokens",
+                     r.stdout) or "for every run: this CPU has no bfloat16 instructions" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("args,message", [
