@@ -155,12 +155,7 @@ def test_test_share_is_part_of_what_makes_a_folder_the_same_corpus(tmp_path, cor
         assert err == f"error: {out} already holds a dataset prepared with other settings ({there}): prepare with its " \
                       f"settings, delete it, or choose another folder with --name or --out"
 
-    def write(path, pieces):  # a kill once the first chunk is written: an unfinished folder
-        if path.endswith("train_000001.bin"):
-            raise KeyboardInterrupt
-        return real_write(path, pieces)
-    real_write = prepare_data.write_shard
-    monkeypatch.setattr(prepare_data, "write_shard", write)
+    kill_at_shard(monkeypatch, "train_000001.bin")  # a kill once the first chunk is written: an unfinished folder
     unfinished = str(tmp_path / "unfinished")
     with pytest.raises(KeyboardInterrupt):
         prepare(sources, out_dir=unfinished, test_share=0.3, **kw)
@@ -171,6 +166,21 @@ def test_test_share_is_part_of_what_makes_a_folder_the_same_corpus(tmp_path, cor
     assert prepare(sources, out_dir=unfinished, test_share=0.3, **kw) == unfinished  # which finishes it
     assert load_meta(unfinished)["split_sha256"] == load_meta(held)["split_sha256"]
 
+
+def kill_at_shard(monkeypatch, name, written=None):
+    """prepare_data.write_shard raising KeyboardInterrupt (a kill) at the shard file named name, having written none
+    of it, "half" (a .tmp holding part of it) or the "whole" shard."""
+    real_write = prepare_data.write_shard
+
+    def write(path, pieces):
+        if path.endswith(name):
+            if written == "half":
+                open(path + ".tmp", "wb").write(b"half")
+            elif written == "whole":
+                real_write(path, pieces)
+            raise KeyboardInterrupt
+        return real_write(path, pieces)
+    monkeypatch.setattr(prepare_data, "write_shard", write)
 
 def test_bytes_prepare_round_trip(tmp_path, corpus):
     sources, docs = corpus
@@ -195,16 +205,8 @@ def test_resume_after_interruption(tmp_path, corpus, monkeypatch, crash):
     reference = prepare(sources, out_dir=str(tmp_path / "ref"), **kw)
     assert len(load_meta(reference)["shards"]["train"]) >= 4
 
-    def write(path, pieces):
-        if path.endswith("train_000002.bin"):
-            if crash == "while writing":  # a kill in the middle of a write leaves part of it
-                open(path + ".tmp", "wb").write(b"half")
-            else:  # a kill after a shard got its name, before progress.json says so
-                real_write(path, pieces)
-            raise KeyboardInterrupt
-        return real_write(path, pieces)
-    real_write = prepare_data.write_shard
-    monkeypatch.setattr(prepare_data, "write_shard", write)
+    # a kill in the middle of a write leaves part of it; one after a shard got its name, before progress.json says so
+    kill_at_shard(monkeypatch, "train_000002.bin", written="half" if crash == "while writing" else "whole")
     out = str(tmp_path / "run")
     with pytest.raises(KeyboardInterrupt):
         prepare(sources, out_dir=out, **kw)
@@ -219,7 +221,7 @@ def test_resume_after_interruption(tmp_path, corpus, monkeypatch, crash):
     done = {f: os.stat(os.path.join(out, f)) for f in finished}
     open(os.path.join(out, "progress.json.tmp"), "w").write('{"half')  # as a kill in write_json would leave
 
-    monkeypatch.setattr(prepare_data, "write_shard", real_write)
+    monkeypatch.undo()  # write_shard as it is
     enc = get_tokenizer("gpt2")
     encoded = []
 
