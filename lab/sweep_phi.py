@@ -348,7 +348,9 @@ for steps in budget_list:
                     vals = [results[steps, width, shape, scheme, lr, seed]["val_loss"] for seed in walk_seed_list
                             if (steps, width, shape, scheme, lr, seed) in results]
                     shown = "—" if not vals else "diverged" if None in vals else f"{np.mean(vals):.4f}"
-                    cells_text.append(f"{lr:g}: {shown}" + ("" if len(vals) == len(walk_seed_list) else " (part)"))
+                    if 0 < len(vals) < len(walk_seed_list):
+                        shown += f" ({len(vals)} of {len(walk_seed_list)} seeds)"
+                    cells_text.append(f"{lr:g}: {shown}")
                 lines.append(f"| {width} | {shape} | {scheme} | {'; '.join(cells_text)} | "
                              f"{f'**{best:g}**' if done else 'walking'} |")
     lines += ["", f"## Test loss at each walk's rate{at} (mean ± std over seeds)", "",

@@ -79,11 +79,13 @@ def test_phi_table_its_differences_and_the_walks_against_hand_values(tmp_path):
 
 def test_a_walk_waits_for_its_runs_and_a_wider_walk_for_the_narrower_one(tmp_path):
     out = tmp_path / "phi"
-    made_up_study(out, skip={(32, "2x3", "preln+paper", 1e-2, 1)})
+    made_up_study(out, skip={(32, "2x3", "preln+paper", 1e-2, 1), (32, "2x3", "deeploop+paper", 1e-2, 0),
+                             (32, "2x3", "deeploop+paper", 1e-2, 1)})
     r = run_script("lab/sweep_phi.py", f"--out_dir={out}", *ARGS)
     assert r.returncode == 0, r.stderr
     table = (out / "results.md").read_text()
-    assert "| 32 | 2x3 | preln+paper | 0.001: 1.1050; 0.003: 1.0050; 0.01: 1.1000 (part) | walking |" in table
+    assert "| 32 | 2x3 | preln+paper | 0.001: 1.1050; 0.003: 1.0050; 0.01: 1.1000 (1 of 2 seeds) | walking |" in table
+    assert "| 32 | 2x3 | deeploop+paper | 0.001: 1.1050; 0.003: 1.0050; 0.01: — | walking |" in table  # none run yet
     assert "| 64 | 2x3 | preln+paper |" not in table  # it starts where width 32's walk ends
     assert "| 32 | preln+paper | 2.0000 ± 0.0000 (3) | — | 1.8000 ± 0.0000 (3) |" in table
     assert "| 32 | preln+paper | — | — | — |" in table  # no phi without the looped shape
