@@ -437,8 +437,9 @@ if len(budget_list) > 1 and len(scheme_list) == 2:
                   for name, lead_sign, _ in QUANTITIES]
     lines.append("")
 cost = sum(run["seconds"] for run in results.values()) / 3600
-lines += [f"{len(results)} runs, {cost:.1f} CPU-hours of training. A difference is a finding only where its "
-          f"95% interval excludes zero.", "", "```", "python -m lab.sweep_phi " + " ".join(sys.argv[1:]), "```"]
+lines += [f"{len(results)} runs, {cost:.1f} CPU-hours of training recorded (a run that resumed records only the part "
+          f"after its last start). A difference is a finding only where its 95% interval excludes zero.", "", "```",
+          "python -m lab.sweep_phi " + " ".join(sys.argv[1:]), "```"]
 os.makedirs(out_dir, exist_ok=True)
 with open(os.path.join(out_dir, "results.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
