@@ -196,10 +196,14 @@ def autocast_context(device, dtype):
     return nullcontext() if dtype == "float32" else torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
 
 
-def precision(device, dtype, model=None, batch_shape=None, trained_on=None):
+def precision(device, dtype, model=None, batch_shape=None, trained_on=None, untrained_because=None):
     """(dtype, why, autocast context) for a script that runs on device: choose_dtype's pick, and TF32 matmuls allowed
-    on CUDA (allow_tf32). Raises ValueError for an unknown dtype."""
-    dtype, why = choose_dtype(device, dtype, model, batch_shape, trained_on)
+    on CUDA (allow_tf32). A script that runs no training step gives untrained_because, why auto's rule on a CPU (which
+    times training steps) does not fit its work: auto is float32 there. Raises ValueError for an unknown dtype."""
+    if dtype == "auto" and untrained_because and device.split(":")[0] == "cpu":
+        dtype, why = "float32", f"auto on a CPU: {untrained_because}"
+    else:
+        dtype, why = choose_dtype(device, dtype, model, batch_shape, trained_on)
     allow_tf32(device)
     return dtype, why, autocast_context(device, dtype)
 

@@ -82,13 +82,11 @@ try:
     if checkpoint["tokenizer"] not in ("gpt2", "bytes"):  # a task of the lab's: no text to print
         die(f"{out_dir} was trained on {checkpoint['tokenizer']}, not on text: show its answers with python -m "
             f"lab.depth_eval --out_dir={out_dir}")
-    on_cpu_auto = dtype == "auto" and device.split(":")[0] == "cpu"
     # on a CPU a generation step multiplies a row per sequence by every weight, which autocast would cast to
     # bfloat16 again at every step: float32 (a Zen 5 that trains faster in bfloat16 sampled 108 tokens/s in it, 580
     # in float32)
-    dtype, dtype_reason, ctx = precision(device, "float32" if on_cpu_auto else dtype)
-    if on_cpu_auto:
-        dtype_reason = "auto on a CPU: a generation step reads every weight, which bfloat16 would cast each step"
+    dtype, dtype_reason, ctx = precision(device, dtype, untrained_because="a generation step reads every weight, "
+                                         "which bfloat16 would cast each step")
 except (FileNotFoundError, ValueError) as e:
     die(str(e))
 model.eval()

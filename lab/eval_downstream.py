@@ -248,12 +248,9 @@ if __name__ == "__main__":
         check_device(device)
         model, checkpoint = load_checkpoint(os.path.join(out_dir, "ckpt.pt"), device)
         require_text(checkpoint, out_dir)
-        # auto's rule on a CPU times training steps, and scoring runs forward passes only: float32 there, whose
-        # scores also reproduce bit for bit
-        on_cpu_auto = dtype == "auto" and device.split(":")[0] == "cpu"
-        dtype, dtype_reason, autocast = precision(device, "float32" if on_cpu_auto else dtype)
-        if on_cpu_auto:
-            dtype_reason = "auto on a CPU: scoring runs forward passes, not the training steps auto's rule times"
+        # float32 on a CPU, whose scores also reproduce bit for bit
+        dtype, dtype_reason, autocast = precision(device, dtype, untrained_because="scoring runs forward passes, not "
+                                                  "the training steps auto's rule times")
     except (ValueError, FileNotFoundError) as e:
         die(str(e))
     try:

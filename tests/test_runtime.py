@@ -83,6 +83,16 @@ def test_auto_on_a_cpu_needs_a_model_to_measure(timings):
         choose_dtype("cpu", "auto")
 
 
+def test_a_script_that_runs_no_training_step_gets_float32_for_auto_on_a_cpu_unmeasured(timings, gpu, monkeypatch):
+    """sample.py and lab.eval_downstream: auto's rule on a CPU times training steps, which is not their work."""
+    dtype, why, _ = runtime.precision("cpu", "auto", untrained_because="it only reads")
+    assert (dtype, why, timings["calls"]) == ("float32", "auto on a CPU: it only reads", [])
+    assert runtime.precision("cpu", "bfloat16", untrained_because="it only reads")[:2] == ("bfloat16", "as set")
+    monkeypatch.setattr(runtime, "allow_tf32", lambda device: None)  # a process-wide switch, not this test's to flip
+    assert runtime.precision("cuda", "auto", untrained_because="it only reads")[:2] == (
+        "bfloat16", "NVIDIA A100-SXM4-80GB computes bfloat16 natively")  # a GPU's rule times nothing
+
+
 def test_an_explicit_dtype_or_a_resumed_cpu_runs_own_wins_over_a_measurement(timings, gpu):
     assert choose_dtype("cpu", "float32", MODEL, (16, 128)) == ("float32", "as set")
     assert choose_dtype("cpu", "bfloat16", MODEL, (16, 128), trained_on=("float32", "cpu")) == ("bfloat16", "as set")
