@@ -182,6 +182,7 @@ def kill_at_shard(monkeypatch, name, written=None):
         return real_write(path, pieces)
     monkeypatch.setattr(prepare_data, "write_shard", write)
 
+
 def test_bytes_prepare_round_trip(tmp_path, corpus):
     sources, docs = corpus
     out = prepare(sources[1:2], tokenizer="bytes", out_dir=str(tmp_path / "b"), val_fraction=0.0, quiet=True)
