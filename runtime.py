@@ -82,8 +82,9 @@ def time_training_steps(model, batch_shape, dtypes=("float32", "bfloat16")):
     sizes the timed steps: as many of batch_shape's sequences as fit in MEASURE_SECONDS / 10 at that step's pace (one
     at least; untimed once more if more than one). Then rounds of one step of each, the dtypes taking turns, so that
     a change in load slows them alike: at least MEASURE_ROUNDS[0], at most MEASURE_ROUNDS[1], and no round starts
-    that would end past MEASURE_SECONDS. Fewer sequences than the run's weigh the optimizer step and autocast's casts of the weights
-    more, which err towards float32. The run's model keeps its weights, and its random generators their states."""
+    that would end past MEASURE_SECONDS. Fewer sequences than the run's weigh the optimizer step and autocast's
+    casts of the weights more, which err towards float32. The run's model keeps its weights, and its random
+    generators their states."""
     copy = deepcopy(model).train()
     optimizer = copy.configure_optimizers(0.1, 6e-4, (0.9, 0.95), "cpu")
     generator = torch.Generator().manual_seed(0)
