@@ -1,15 +1,17 @@
 """lab/model_update.py: the untied copy is the looped model unrolled, bit for bit; the visits' gradients sum to the
 looped block's and give visit_diagnostics' kappa_R; on blocks that pass their input through, one step's first-order
 change is known in closed form (SGD: looped R^2, untied R; AdamW: both R); the linearization is exact at a tiny
-rate; the training mode takes train.py's steps; the script's outputs and its one-line errors."""
+rate; the training mode takes train.py's steps on train.py's schedule; the script's outputs and its one-line errors."""
 
+import ast
 import json
+import math
 import os
 
 import pytest
 import torch
 
-from lab.model_update import make_config, outputs, step_change, untied_copy, visit_kappa
+from lab.model_update import get_lr, make_config, outputs, step_change, untied_copy, visit_kappa
 from lab.probes import visit_diagnostics
 from model import GPT
 from scripts import ROOT, run_script
@@ -124,6 +126,20 @@ def test_train_mode_takes_train_py_steps(tmp_path):
     assert r.stdout.startswith("| scheme | R | warmup | model | steps 0-2 |")
     assert "| postln | 2 | 100 | tied |" in r.stdout
     assert (tmp_path / "train.png").stat().st_size > 10000
+
+
+def test_its_schedule_is_train_py_get_lr_through_warmup_decay_and_after():
+    # train.py's get_lr reads its module's settings: run its own source with those set
+    with open(os.path.join(ROOT, "train.py")) as f:
+        train_py = f.read()
+    source, = [ast.get_source_segment(train_py, node) for node in ast.parse(train_py).body
+               if isinstance(node, ast.FunctionDef) and node.name == "get_lr"]
+    schedule = dict(learning_rate=3e-3, warmup_iters=10, lr_decay_iters=100, min_lr=3e-4)
+    namespace = dict(math=math, **schedule)
+    exec(source, namespace)
+    its = [0, 5, 9, 10, 11, 50, 99, 100, 150]
+    assert [get_lr(it, **schedule) for it in its] == [namespace["get_lr"](it) for it in its]
+    assert get_lr(150, **schedule) == 3e-4 and get_lr(10, **schedule) == 3e-3
 
 
 def test_step_mode_tables_outputs_and_no_overwrite(tmp_path):
