@@ -408,6 +408,16 @@ run_minutes = sum(run["seconds"] for run in results.values()) / 60
 # -----------------------------------------------------------------------------------------------------------------
 # tables: one row per (scheme, R, p, lr) over its seeds, then the mode's own summary
 
+def write_results(lines):
+    """results.md (and stdout): the tables, then the sweep's time and the command that redoes it."""
+    lines = lines + ["", f"Sweep time: {minutes:.1f} min wall with {workers} worker(s), {run_minutes:.1f} min summed "
+                     f"over the runs trained in this invocation and earlier ones. Command: "
+                     f"`{' '.join(['python -m lab.sweep'] + sys.argv[1:])}`"]
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 groups = {}  # (scheme, R, p, lr) -> its runs, one per seed
 for (s, r, p, lr, seed), run in sorted(results.items()):
     groups.setdefault((s, r, p, lr), []).append(run)
@@ -496,13 +506,7 @@ if mode == "depth":
             lines.append(f"| {scheme_label(s, p)} | {r} | " + " | ".join(
                 "—" if m is None else f"**{m:.2f}**" if n == r else f"{m:.2f}" for n, m in zip(test_loops, means))
                 + " |")
-    lines += ["", f"Sweep time: {minutes:.1f} min wall with {workers} worker(s), {run_minutes:.1f} min summed over the "
-              f"runs trained in this invocation and earlier ones. Command: "
-              f"`{' '.join(['python -m lab.sweep'] + sys.argv[1:])}`"]
-    table = "\n".join(lines)
-    with open(os.path.join(out_dir, "results.md"), "w") as f:
-        f.write(table + "\n")
-    print(table)
+    write_results(lines)
 
     import matplotlib
     matplotlib.use("Agg")
@@ -658,12 +662,7 @@ if mode == "loops":
                     cells.append(fmt(st["score"]) + (f" ({stalled} of {st['runs']} stalled)" if stalled else ""))
                 label = scheme_label(s, p) + (f" lr {lr:g}" if len(lr_list) > 1 else "")
                 lines.append(f"| {label} | " + " | ".join(cells) + " |")
-lines += ["", f"Sweep time: {minutes:.1f} min wall with {workers} worker(s), {run_minutes:.1f} min summed over the "
-          f"runs trained in this invocation and earlier ones. Command: `{' '.join(['python -m lab.sweep'] + sys.argv[1:])}`"]
-table = "\n".join(lines)
-with open(os.path.join(out_dir, "results.md"), "w") as f:
-    f.write(table + "\n")
-print(table)
+write_results(lines)
 
 # -----------------------------------------------------------------------------------------------------------------
 # plots
