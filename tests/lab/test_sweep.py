@@ -118,6 +118,8 @@ def test_loops_mode_writes_the_table_1_layout(tmp_path, floor):
     assert "| scheme | R=1 (N=2) | R=3 (N=6) |" in layout
     assert "| preln | 2.5100 ± 0.0000 | 2.5300 ± 0.0000 |" in layout
     assert f"| deeploop | 2.5100 ± 0.0000 | {(2.53 + floor) / 2:.4f} ± " in layout and "(1 of 2 stalled) |" in layout
+    assert table.endswith("Command: `python -m lab.sweep --mode=loops --out_dir=" + str(out) + " --loops=1,3 "
+                          "--learning_rates=1e-3 --seeds=0,1 --max_iters=0`\n") and table in r.stdout
     assert (out / "loops.png").stat().st_size > 10000
 
 
@@ -192,6 +194,7 @@ def test_depth_mode_tables_best_rates_test_time_depth_and_plot(tmp_path):
                       "--learning_rates=1e-3,3e-3", "--seeds=0,1")
     assert r.returncode == 0, r.stderr
     table = (out / "results.md").read_text()
+    assert table.endswith("--learning_rates=1e-3,3e-3 --seeds=0,1 --max_iters=0`\n") and table in r.stdout
     best = table.split("Each scheme at its best learning rate")[1].split("Every run")[0]
     assert "| best shortcut | | | 0.40 | 0.25 | | |" in best
     # 3e-3 had a diverged run; learned: accuracy at k = 1 >= 0.9
