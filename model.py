@@ -60,7 +60,9 @@ def residual_coefficients(residual, unrolled_depth, exponent=0.0):
 
 def branch_scale(residual, n_blocks, n_loop, lam=1.0):
     """epsilon of a Pre-LN block x = x + epsilon * f(Norm(x)): lam / (n_loop * sqrt(n_blocks)) for preln_scaled, the
-    rival rule (arXiv 2606.18524: a looped block's visits make correlated updates), 1 for every other scheme."""
+    rival rule (arXiv 2606.18524: a looped block's visits make correlated updates), 1 for every other scheme. n_blocks
+    counts the distinct blocks, prelude and coda too; the rule has no prelude or coda of its own, and here every block,
+    looped or not, gets the one epsilon."""
     if not 0 < lam < math.inf:
         raise ValueError(f"residual_lambda must be a positive number (the paper's lambda, 1 by default), got {lam}")
     if residual != "preln_scaled":
@@ -129,11 +131,17 @@ class GPTConfig:
     def unrolled_depth(self):
         return self.depth(self.n_loop)
 
+    @property
+    def coefficient_depth(self):
+        """The N that alpha, beta and Pre-LN's scaled init are set for: the unrolled depth at coefficient_loops loops
+        (a model trained for one depth and run at others), or at n_loop."""
+        return self.depth(self.coefficient_loops or self.n_loop)
+
     def coefficients(self):
-        """(alpha, beta, epsilon) of the model, from the unrolled depth at coefficient_loops (or n_loop) loops."""
-        loops = self.coefficient_loops or self.n_loop
-        return (*residual_coefficients(self.residual, self.depth(loops), self.residual_exponent),
-                branch_scale(self.residual, self.depth(1), loops, self.residual_lambda))  # depth(1): distinct blocks
+        """(alpha, beta, epsilon) of the model at coefficient_depth."""
+        return (*residual_coefficients(self.residual, self.coefficient_depth, self.residual_exponent),
+                branch_scale(self.residual, self.depth(1), self.coefficient_loops or self.n_loop,
+                             self.residual_lambda))  # depth(1): distinct blocks
 
 
 def make_norm(config):
@@ -261,7 +269,6 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.alpha, self.beta, self.epsilon = config.coefficients()
-        N = config.depth(config.coefficient_loops or config.n_loop)  # the unrolled depth the coefficients are for
         blocks = lambda n: nn.ModuleList(Block(config, self.alpha, self.epsilon) for _ in range(n))  # noqa: E731
         post_ln = config.residual not in PRE_LN
         self.transformer = nn.ModuleDict(dict(
@@ -287,7 +294,7 @@ class GPT(nn.Module):
                         linear.weight *= self.beta
                 elif config.residual == "preln":  # GPT-2's scaled init over the unrolled depth (preln_scaled: epsilon)
                     for linear in (block.attn.c_proj, block.mlp.c_proj):
-                        nn.init.normal_(linear.weight, std=0.02 / math.sqrt(2 * N))
+                        nn.init.normal_(linear.weight, std=0.02 / math.sqrt(2 * config.coefficient_depth))
             if config.loop_input == "concat":
                 nn.init.eye_(self.transformer.inject.adapter.weight)  # [I | 0]
 

@@ -479,6 +479,7 @@ def test_checkpoint_without_backbone_settings_loads_as_gpt2_blocks(tmp_path):
 def test_coefficient_loops_sets_the_depth_of_alpha_and_beta():
     for loops, N in ((0, 2 * 3), (5, 2 * 5)):  # 0: n_loop
         model = GPT(tiny(n_layer=2, n_loop=3, coefficient_loops=loops))
+        assert (model.config.coefficient_depth, model.config.unrolled_depth) == (N, 6)
         assert (model.alpha, model.beta) == pytest.approx((math.sqrt(2 * N), 1 / math.sqrt(8 * N)))
         preln = GPT(tiny(n_layer=2, n_loop=3, coefficient_loops=loops, residual="preln"))
         std = preln.transformer.h[0].mlp.c_proj.weight.std().item()
