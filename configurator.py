@@ -93,16 +93,16 @@ def configure(namespace, argv, given=None, extra=None):
         if not arg.startswith("--"):
             if not os.path.isfile(arg):
                 die(f"config file not found: {arg} (config files live in config/, e.g. config/smoke_cpu.py)")
-            settings = {}
+            file_globals = {}
             source = read_text(arg, "the config file", "check its permissions")
             try:
-                exec(compile(source, arg, "exec"), settings)
+                exec(compile(source, arg, "exec"), file_globals)
             except SyntaxError as e:
                 die(f"{arg}, line {e.lineno}: {e.msg}; {CONFIG_FILE}")
             except Exception as e:  # NameError, ImportError, ...: the config file's line, not a traceback
                 lines = [frame.lineno for frame in traceback.extract_tb(e.__traceback__) if frame.filename == arg]
                 die(f"{arg}{f', line {lines[-1]}' if lines else ''}: {type(e).__name__}: {e}; {CONFIG_FILE}")
-            for key, value in settings.items():
+            for key, value in file_globals.items():
                 if not key.startswith("_") and isinstance(value, SIMPLE_TYPES):
                     config[key] = namespace[key] = _checked(key, value, config, arg)
                     if given is not None:

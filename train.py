@@ -3,7 +3,7 @@ Train a looped GPT (model.py) on a dataset made by prepare_data.py.
 
 One process (GPU when there is one, else CPU), or several with DDP on GPUs (nccl) or CPUs (gloo):
     python train.py config/smoke_cpu.py
-    python train.py config/smoke_cpu.py --init_from=resume --max_iters=200
+    python train.py config/smoke_cpu.py --init_from=resume --max_iters=1800
     torchrun --standalone --nproc_per_node=8 train.py config/loop_small.py
 Baselines are overrides:  --residual=deepnorm  (DeepNorm's exponents)  --n_loop=1  (no looping)
 The settings are the module-level variables below, changed by config files and --key=value (configurator.py). A run
@@ -65,14 +65,14 @@ dropout = 0.0
 bias = True
 residual = "deeploop"    # deeploop | deepnorm | postln | preln | preln_scaled
 residual_exponent = 0.0  # p of alpha = (2N)^p, beta = (8N)^-p for deeploop/deepnorm; 0 = the scheme's own
-residual_lambda = 1.0    # preln_scaled's branches times residual_lambda / (n_loop * sqrt(n_layer)); model.branch_scale
+residual_lambda = 1.0    # preln_scaled's branches times residual_lambda / (n_loop * sqrt(blocks)); model.branch_scale
 norm = "layernorm"       # layernorm | rmsnorm
 position_encoding = "learned"  # learned | rope
 norm_branch_input = False  # Post-LN blocks as x = Norm(alpha * x + f(Norm(x))), the DeepLoop paper's form
 n_prelude = 0            # blocks run once before the looped core, n_coda once after it (Huginn's prelude and coda):
 n_coda = 0               # unrolled depth n_prelude + n_layer * n_loop + n_coda; loop counts below count core loops
 loop_input = "none"      # none | add | concat (Huginn's adapter): the embedded input fed into every loop (LoopInput)
-coefficient_loops = 0    # alpha, beta (preln_scaled: epsilon) from n_layer * coefficient_loops; 0: n_loop
+coefficient_loops = 0    # alpha, beta (preln_scaled: epsilon) as at this many loops (GPTConfig.depth); 0: n_loop
 eval_loops = ""          # val loss at these loop counts too (test-time depth), e.g. "1,2,4"; each costs evaluation time
 # AdamW; weight decay applies to matrices only (model.configure_optimizers)
 learning_rate = 6e-4
@@ -84,7 +84,7 @@ grad_clip = 1.0          # clip the global gradient norm to this; 0 disables cli
 # learning rate: linear warmup, then cosine decay to min_lr at lr_decay_iters, constant after
 decay_lr = True
 warmup_iters = 2000
-lr_decay_iters = 600000  # the schedule depends on max_iters only through this, so a run can be extended by resuming
+lr_decay_iters = 600000  # the schedule ends here, not at max_iters: a run resumed with more max_iters goes on with it
 min_lr = 6e-5
 # system
 device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -129,7 +129,8 @@ tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 device_type = device.split(":")[0]
 compile = device_type == "cuda" if compile is None else compile
 if device_type == "cpu":
-    # deep Post-LN stacks make denormal gradients early on, many times slower on CPUs (2 x 32 loops: 5.1 s a step, 0.44)
+    # deep Post-LN stacks make denormal gradients early on, many times slower on CPUs (2 x 32 loops: 5.1 s a step,
+    # 0.44 s with denormals flushed)
     torch.set_flush_denormal(True)
 
 
@@ -167,7 +168,7 @@ torch.manual_seed(seed)  # the same initial weights on every rank (DDP would bro
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 if init_from == "scratch":
     raw_model = GPT(gpt_config).to(device)
-    iter_num, best_val_loss, evaluated = 0, math.inf, False
+    iter_num, best_val_loss, resumed_evaluated = 0, math.inf, False
 else:
     try:
         raw_model, checkpoint = guard.load_checkpoint(ckpt_path, device)
@@ -176,7 +177,7 @@ else:
     if mismatch := guard.resume_mismatch(ckpt_path, checkpoint, raw_model, model_args, meta, dataset, task, LAB):
         die(mismatch)
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
-    evaluated = checkpoint.get("evaluated", True)  # False: written on a signal or timer, before its step's evaluation
+    resumed_evaluated = checkpoint.get("evaluated", True)  # False: written on a signal or timer, before its evaluation
 # for the device this process runs on; on a CPU measured by training steps of this model, or a resumed CPU run's own
 trained_on = (checkpoint["config"].get("dtype"), checkpoint["config"].get("device")) if init_from == "resume" else None
 dtype, dtype_reason, autocast = precision(device, dtype, raw_model, (batch_size, block_size), trained_on)
@@ -328,7 +329,7 @@ while True:
     # Evaluate and write ckpt.pt every eval_interval steps and at the end (at every evaluation, not only when val loss
     # improves: resuming must continue from the latest state), unless ckpt.pt holds this step evaluated already: a
     # resumed run's first step, when the run that wrote the checkpoint has done and logged its evaluation.
-    if eval_due and not (ckpt.step == iter_num and evaluated):
+    if eval_due and not (ckpt.step == iter_num and resumed_evaluated):
         pending.read()  # a non-finite train loss is named first, before the evaluation it spoils
         losses = estimate_loss()
         if losses is None:  # stopped by a signal: the next pass writes this step, unevaluated, and stops
