@@ -2,7 +2,7 @@
 Sample from a trained model, printing the text as it is generated.
 
     python sample.py --out_dir=out-smoke --start="Once upon a time" --num_samples=2 --max_new_tokens=200
-    python sample.py --out_dir=out-smoke --start=FILE:prompt.txt
+    python sample.py --out_dir=out-smoke --start=FILE:docs/prompt.txt
     python sample.py --out_dir=out-smoke --n_loop=8          # test-time depth: run 8 loops instead of the trained count
     python sample.py --out_dir=out-smoke --use_cache=False   # recompute the whole context at every step (slower)
     python sample.py --out_dir=out-smoke --compile=True      # compiled blocks: a few graphs, not one per token
