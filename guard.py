@@ -17,7 +17,8 @@ training itself. Its guarantees (docs/preemption.md says how to use them on a cl
 - metrics.jsonl never holds half a record: a failed write is cut off again (and the run stops at its next step), and
   a record cut short by a killed run is removed when the run resumes; so are the records that a run killed after its
   last checkpoint wrote of the steps that the resumed run trains again, which holds each step's records once.
-- The NaN guard: a non-finite train loss stops the run before it is saved, so ckpt.pt keeps the last good state.
+- The NaN guard: a non-finite train loss or gradient norm stops the run before it is saved, so ckpt.pt keeps the last
+  good state.
 - A resume continues the run it names or stops (resume_mismatch): other tokens, another model, other lab settings.
 - DDP: every decision to stop or to save is taken by all processes at the same step (Processes.agree), and a failure
   on the master stops every process instead of leaving the others waiting in a collective until its timeout.
@@ -446,31 +447,39 @@ class MetricsLog:
 
 
 class PendingLosses:
-    """The train losses not read yet, and the NaN guard over them and the evaluations' losses: a non-finite one ends
-    the run before anything is saved, so that ckpt (a CheckpointFile) keeps the last good state. The loss of each step
-    stays on the device until a log line, the NaN guard or a checkpoint needs it: reading it every step would make the
-    host wait for the device every step. micro_batches: a step's micro-batches over all processes."""
+    """The train losses not read yet, and the NaN guard over them, the gradient norms they came with and the
+    evaluations' losses: a non-finite one ends the run before anything is saved, so that ckpt (a CheckpointFile) keeps
+    the last good state. A finite loss can come with a non-finite gradient, whose step spoils the weights before any
+    loss shows it. The loss of each step stays on the device until a log line, the NaN guard or a checkpoint needs it:
+    reading it every step would make the host wait for the device every step. micro_batches: a step's micro-batches
+    over all processes."""
 
     def __init__(self, processes, micro_batches, ckpt, stop):
         self.processes, self.micro_batches, self.ckpt, self.stop = processes, micro_batches, ckpt, stop
-        self.steps = []  # (step, sum of the step's micro-batch losses on this process)
+        self.steps = []  # (step, sum of the step's micro-batch losses on this process, gradient norm or None)
 
     def __len__(self):
         return len(self.steps)
 
-    def add(self, step, loss_sum):
-        self.steps.append((step, loss_sum))
+    def add(self, step, loss_sum, grad_norm=None):
+        """grad_norm: the step's gradient norm before clipping; None where a non-finite one is no harm (float16's
+        GradScaler skips such a step)."""
+        self.steps.append((step, loss_sum, grad_norm))
 
     def read(self):
         """{step: mean loss} of the steps since the last read, over all processes, with one host-device sync for all of
-        them. The NaN guard: stops the run at the first non-finite one (a collective: all processes call it)."""
+        them. The NaN guard: stops the run at the first non-finite loss or gradient norm (a collective: all processes
+        call it)."""
         if not self.steps:
             return {}
-        sums = self.processes.all_reduce(torch.stack([loss_sum for _, loss_sum in self.steps]))
-        losses = {step: loss_sum / self.micro_batches for (step, _), loss_sum in zip(self.steps, sums.tolist())}
+        zero = torch.zeros_like(self.steps[0][1])
+        sums = self.processes.all_reduce(torch.stack([torch.stack((loss_sum, zero if norm is None else norm.float()))
+                                                      for _, loss_sum, norm in self.steps]))
+        losses = {}
+        for (step, _, _), (loss_sum, norm) in zip(self.steps, sums.tolist()):
+            losses[step] = loss_sum / self.micro_batches
+            self.check(step, {"train loss": losses[step], "gradient norm": norm})
         self.steps.clear()
-        for step, loss in losses.items():
-            self.check(step, {"train loss": loss})
         return losses
 
     def check(self, step, losses):

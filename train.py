@@ -211,7 +211,7 @@ model = DDP(trained, device_ids=[torch.cuda.current_device()] if device_type == 
 
 
 def save_checkpoint(evaluated):
-    pending.read()  # the NaN guard: weights that a non-finite loss has spoiled are never saved
+    pending.read()  # the NaN guard: weights that a non-finite loss or gradient has spoiled are never saved
     rng = procs.gather(rng_states(device))  # every process's generators, so that each one's dropout resumes exactly
     ckpt.save(procs, iter_num, lambda: dict(
         program="deeploop-train", model=raw_model.state_dict(), model_args=model_args, tokenizer=meta["tokenizer"],
@@ -363,9 +363,9 @@ while True:
                 loss = model(x, y, n_loop=step_loops)[1]
             scaler.scale(loss / accum_steps).backward()
         loss_sum += loss.detach().float()
-    pending.add(iter_num, loss_sum)
     scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    pending.add(iter_num, loss_sum, None if scaler.is_enabled() else grad_norm)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)

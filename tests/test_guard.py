@@ -157,6 +157,23 @@ def test_the_nan_guard_stops_at_the_first_non_finite_loss_naming_the_last_good_c
     pending.check(8, {"train loss": 1.0, "val loss": 2.0})  # finite: nothing happens
 
 
+def test_the_nan_guard_stops_at_a_non_finite_gradient_norm_whose_loss_was_finite(stop, capsys):
+    pending = guard.PendingLosses(guard.Processes(), 1, guard.CheckpointFile("out/ckpt.pt", step=4), stop)
+    pending.add(4, torch.tensor(3.0), torch.tensor(0.5))
+    pending.add(5, torch.tensor(2.0), None)  # float16: GradScaler skips such a step, no harm
+    pending.add(6, torch.tensor(2.0), torch.tensor(math.inf))
+    pending.add(7, torch.tensor(math.nan), torch.tensor(math.nan))
+    with pytest.raises(SystemExit) as e:
+        pending.read()
+    assert e.value.code == 2
+    assert capsys.readouterr().err == ("error: gradient norm is inf at step 6: training diverged; out/ckpt.pt keeps "
+                                       "step 4 (the last good state); lower learning_rate or raise warmup_iters\n")
+    pending = guard.PendingLosses(guard.Processes(), 1, guard.CheckpointFile("out/ckpt.pt", step=4), stop)
+    pending.add(5, torch.tensor(2.0), None)
+    pending.add(6, torch.tensor(1.0), torch.tensor(7.0))
+    assert pending.read() == {5: 2.0, 6: 1.0}
+
+
 def test_one_process_agrees_with_itself_and_a_failure_on_the_master_exits_with_its_code(capsys):
     procs = guard.Processes()
     assert (procs.ddp, procs.rank, procs.world_size, procs.master) == (False, 0, 1, True)
