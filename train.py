@@ -216,8 +216,8 @@ def save_checkpoint(evaluated):
     ckpt.save(procs, iter_num, lambda: dict(
         program="deeploop-train", model=raw_model.state_dict(), model_args=model_args, tokenizer=meta["tokenizer"],
         optimizer=optimizer.state_dict(), scaler=scaler.state_dict() if scaler.is_enabled() else None,
-        iter_num=iter_num, best_val_loss=best_val_loss, evaluated=evaluated, config={k: globals()[k] for k in config},
-        rng=rng, lab=LAB.changed() if LAB else {}))
+        iter_num=iter_num, best_val_loss=best_val_loss, evaluated=evaluated and not metrics.error,
+        config={k: globals()[k] for k in config}, rng=rng, lab=LAB.changed() if LAB else {}))
 
 
 @torch.no_grad()
@@ -336,9 +336,11 @@ while True:
             continue
         pending.check(iter_num, {f"{split} loss": losses[split] for split in ("train", "val")})
         best_val_loss = min(best_val_loss, losses["val"])  # travels in the checkpoint for information
-        save_checkpoint(evaluated=True)
         if master:
             log_eval(losses)
+        # after the record: a checkpoint that says "evaluated" has its record written, and a run killed between the two
+        # resumes from the checkpoint before, whose resume removes this record and writes it again (guard.MetricsLog)
+        save_checkpoint(evaluated=True)
         window_start, window_steps, window_flops = time.perf_counter(), 0, 0  # evaluation time is not in tokens/s, MFU
         # a signal during the diagnostics or the write stops here: ckpt.pt holds this step, and another step would
         # mean another write within the scheduler's grace period

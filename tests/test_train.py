@@ -801,6 +801,39 @@ def test_a_resume_drops_what_a_run_killed_after_its_checkpoint_logged(workdir, f
     assert_same_run(whole, out_dir)
 
 
+def test_a_run_killed_as_it_logs_an_evaluation_evaluates_that_step_again_on_resume(workdir, first_half, whole):
+    """A run that dies (no cleanup) in the write of its evaluation record of step 8: the checkpoint of that step comes
+    after the record, so ckpt.pt still holds step HALF, and the resumed run evaluates step 8 again. Had the checkpoint
+    come first, it would say "evaluated" and the record would be missing for good."""
+    half_dir, _ = first_half
+    out_dir = workdir / "killed-at-eval"
+    shutil.copytree(half_dir, out_dir)
+    wrapper = workdir / "eval_kill_wrapper.py"
+    wrapper.write_text('''import os, runpy, sys
+sys.path[0] = os.path.dirname(sys.argv[2])  # where train.py finds its modules, as when it is run itself
+import guard
+write, step = guard.MetricsLog.write, int(sys.argv[1])
+
+
+def dying_write(self, record):
+    if record["type"] == "eval" and record["iter"] == step:
+        os._exit(137)
+    return write(self, record)
+
+
+guard.MetricsLog.write = dying_write
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+''')
+    args = [f"--out_dir={out_dir.name}", f"--max_iters={2 * HALF}", "--dropout=0.1", "--init_from=resume"]
+    proc = start(workdir, *args, wrapper=(str(wrapper), "8"))
+    assert proc.wait(timeout=300) == 137, output(proc)[-3000:]
+    assert load(out_dir)["iter_num"] == HALF and 8 not in logged_steps(out_dir, "eval")
+    train(workdir, *args)
+    assert [r["iter"] for r in records(out_dir, "eval")] == [0, 4, HALF, 8, 12]
+    assert_same_run(whole, out_dir)
+
+
 def test_ten_sigkills_at_random_moments_then_the_same_final_weights(workdir, whole):
     """A checkpoint at every step; ten times the run is killed (SIGKILL: no cleanup) at a random moment after it
     wrote a checkpoint of its own (so that every attempt gets further, however slow a loaded machine makes a step),
