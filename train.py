@@ -198,6 +198,12 @@ if init_from == "resume":
     elif master and dropout > 0:
         print(f"note: {ckpt_path} was written by {len(checkpoint['rng'])} processes, this run has {world_size}; "
               f"dropout masks will differ from an uninterrupted run")
+    # the batches are a function of these and the step: another value reads other text from here on, by choice or not
+    moved = [f"{k}={globals()[k]!r} (the run's: {checkpoint['config'][k]!r})"
+             for k in ("dataset", "seed", "batch_size", "gradient_accumulation_steps")
+             if checkpoint["config"].get(k, globals()[k]) != globals()[k]]
+    if master and moved:
+        print(f"note: resuming with {', '.join(moved)}: the batches from here on are not an uninterrupted run's")
     del checkpoint  # frees its copy of the weights and optimizer state
 if compile:
     raw_model.compile_blocks()  # in place, every block and the loss: one graph serves every loop count

@@ -207,6 +207,18 @@ def test_resume_is_exact(workdir, first_half, whole):
     assert [(s["iter"], s["resumed"]) for s in starts] == [(0, False), (HALF, True)]
 
 
+def test_a_resume_with_another_seed_or_batch_says_that_its_batches_are_not_the_runs(workdir, first_half):
+    half_dir, _ = first_half
+    shutil.copytree(half_dir, workdir / "reseeded")
+    result = train(workdir, "--out_dir=reseeded", f"--max_iters={HALF + 1}", "--dropout=0.1", "--init_from=resume",
+                   "--seed=5", "--batch_size=2")
+    assert "note: resuming with seed=5 (the run's: 1337), batch_size=2 (the run's: 4): the batches from here on are " \
+           "not an uninterrupted run's" in result.stdout.splitlines()
+    assert [r["iter"] for r in records(workdir / "reseeded", "train")] == list(range(HALF + 1))
+    assert "note: resuming" not in train(workdir, "--out_dir=reseeded", f"--max_iters={HALF + 2}", "--dropout=0.1",
+                                         "--init_from=resume", "--seed=5", "--batch_size=2").stdout
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_a_float32_run_resumes_in_half_precision(dtype, workdir, first_half):
     """Weights and optimizer state are float32 whatever the dtype (autocast casts per operation): a checkpoint
