@@ -280,7 +280,7 @@ class GPT(nn.Module):
             drop=nn.Dropout(config.dropout),
             prelude=blocks(config.n_prelude),  # empty by default
             h=blocks(config.n_layer), coda=blocks(config.n_coda),  # the looped core, then the coda
-            inject=LoopInput(config) if config.loop_input != "none" else None,
+            inject=LoopInput(config) if config.loop_input != "none" else None,  # feeds e into the loops after the first
             ln_f=nn.Identity() if post_ln else make_norm(config),  # a Post-LN block ends in a norm already
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -325,12 +325,12 @@ class GPT(nn.Module):
 
     def loop(self, x, e, caches):
         """One loop of the core, from the state x the previous loop left (None before the first)."""
-        x = self.loop_input(x, e)
+        x = self.into_loop(x, e)
         for block in self.transformer.h:
             x = block(x, next(caches))
         return x
 
-    def loop_input(self, x, e):
+    def into_loop(self, x, e):
         """What a loop reads: e in the first loop (x None), then the state x, with e fed in by LoopInput if set."""
         return e if x is None else x if self.transformer.inject is None else self.transformer.inject(x, e)
 

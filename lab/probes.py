@@ -64,7 +64,7 @@ def visit_diagnostics(model, idx, targets):
     e = model.embed(idx, 0, no_cache)
     x, visit_params, streams = None, [], [e.detach()]
     for _ in range(R):
-        x = model.loop_input(x, e)
+        x = model.into_loop(x, e)
         for block in model.transformer.h:
             params = {name: p.detach().requires_grad_() for name, p in block.named_parameters()}
             x = functional_call(block, params, (x,))

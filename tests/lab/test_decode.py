@@ -66,7 +66,7 @@ def reference_exit_generation(model, prompt, steps, threshold, max_loops, kv_cac
         log_p = readout(e)[1]
         exits, state = [0] * T, None
         for r in range(1, max_loops + 1):
-            x = model.loop_input(state, e)
+            x = model.into_loop(state, e)
             for b, block in enumerate(t.h):
                 for w in range(T):
                     src[w]["h", r, b] = x[0, w]
@@ -109,7 +109,7 @@ def reference_exit_generation(model, prompt, steps, threshold, max_loops, kv_cac
 
         log_p, state = readout(e)[1], None
         for r in range(1, max_loops + 1):
-            x = model.loop_input(state, e)
+            x = model.into_loop(state, e)
             for b, block in enumerate(t.h):
                 mine["h", r, b] = x[0, 0]
                 x = run(block, x, [src[w]["h", source_loop(r, exits[w]), b] for w in range(u)])
