@@ -27,8 +27,9 @@ documents held out as a test split (prepare_data.py --test_share=0.5): val 1.0M 
 scheme, shape) trains at the rate of its rate walk (lab.sweep_budget.rate_walk: start_rate and the grid's neighbours
 on each side on the walk_seeds, the lowest mean final val loss wins, and past a winning neighbour the next rate runs,
 until the best rate has both neighbours run); the other seeds then run at that rate. Every loss in the phi table is
-the final checkpoint's loss on the whole test split (every byte once, in windows of block_size), which nothing was
-chosen on. A run's test loss is computed once, after it trains, and kept in its result.json.
+the final checkpoint's loss on the whole test split (every byte once, in windows of block_size, but for each shard's
+last partial window: 42 of 1,602,346 bytes on stdlib_bytes_heldout), which nothing was chosen on. A run's test
+loss is computed once, after it trains, and kept in its result.json.
 
 Budgets. With several (--budgets=8000,54000), each budget is a study of its own whose walks start where the
 same cell's walk ended at the budget before (the first budget's as above), and the report adds, for each difference
@@ -106,7 +107,8 @@ def phi(short, looped, deep):
 
 def test_loss(run_dir, data_dir, block_size, batch=128):
     """(mean cross-entropy of the run's final checkpoint on the whole test split, in windows of block_size tokens that
-    tile each shard once, the number of tokens predicted): a deterministic pass that reads every test byte."""
+    tile each shard once, the number of tokens predicted): a deterministic pass that reads every test byte but each
+    shard's last partial window."""
     import torch
     from guard import load_checkpoint
     torch.set_num_threads(1)
