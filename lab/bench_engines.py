@@ -1,25 +1,26 @@
 """
 Generation of one model through four engines side by side: vLLM (lab.vllm_model, over its paged KV cache), the
-project's GPT.generate (model.py's per-visit cache), transformers' generate (the lab.export_hf folder's remote
-code, which runs model.py's cache too) and ONNX Runtime (the lab.export_onnx folder's generate.py: the graph unrolled
-at the trained loop count, its caches kept in ONNX Runtime between steps by I/O binding). Tokens/s for each count of concurrent sequences, and the decode step of one
-sequence against its memory floor.
+project's GPT.generate (model.py's per-visit cache), transformers' generate (the lab.export_hf folder's remote code,
+which runs model.py's cache too) and ONNX Runtime (the lab.export_onnx folder's generate.py: the graph unrolled at
+the trained loop count, its caches kept in ONNX Runtime between steps by I/O binding). Tokens/s for each count of
+concurrent sequences, and the decode step of one sequence against its memory floor.
 
     python -m lab.bench_engines                            # the bench model of lab.bench, random weights
-    python -m lab.bench_engines --out_dir=out-smoke        # a trained checkpoint (its tokenizer's vocabulary)
+    python -m lab.bench_engines --out_dir=out-smoke --gen_tokens=64   # a trained checkpoint (its vocabulary)
     python -m lab.bench_engines --sequences=1,8 --engines=project,vllm --gen_tokens=64
     python -m lab.bench_engines --step_sequences=1,8,32  # the decode step of 8 and 32 sequences too (docs/speed.md)
     python -m lab.bench_engines --engines=onnx --onnx_optimization=basic --onnx_profile=True  # where its time goes
 
 The checkpoint is exported (lab.export_hf, and lab.export_onnx for onnx) into a temporary folder, which vLLM,
-transformers and ONNX Runtime load and which is removed at the end. Every engine gets the same prompts (prompt_len random token ids each), samples gen_tokens new
-tokens per sequence (temperature 1, top_k; no end-of-text stop) in float32 on the CPU threads torch has, and is timed
-on whole calls: the best of `repeats` calls for each count of sequences, the prompt's pass included. A sequence's
-decode step is (the call for gen_tokens tokens - the call for one token) / (gen_tokens - 1), for one sequence: what
-a token costs once the prompt is read; step_sequences times it for more counts of sequences, each with a one-token
-call of its own. Its floor is the bytes a cached step must read (lab.flops.decode_step_bytes, at the mean cache length
-of the generation, for as many sequences) over the memory's read bandwidth measured here. Before timing, the
-engines decode one prompt greedily and the line says whether their tokens agree.
+transformers and ONNX Runtime load and which is removed at the end. Every engine gets the same prompts (prompt_len
+random token ids each), samples gen_tokens new tokens per sequence (temperature 1, top_k; no end-of-text stop) in
+float32 on the CPU threads torch has, and is timed on whole calls: the best of `repeats` calls for each count of
+sequences, the prompt's pass included. A sequence's decode step is (the call for gen_tokens tokens - the call for one
+token) / (gen_tokens - 1), for one sequence: what a token costs once the prompt is read; step_sequences times it for
+more counts of sequences, each with a one-token call of its own. Its floor is the bytes a cached step must read
+(lab.flops.decode_step_bytes, at the mean cache length of the generation, for as many sequences) over the memory's
+read bandwidth measured here. Before timing, the engines decode one prompt greedily and the line says whether their
+tokens agree.
 
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, threads not pinned) with room for the largest count of
 sequences; --vllm_eager=False lets it compile its graphs (vLLM's default), which costs start-up time. ONNX Runtime
@@ -86,9 +87,8 @@ def parsed_settings():
         raise ValueError(f"--step_sequences takes counts among --sequences ({sequences}), got {step_sequences!r}")
     if onnx_optimization not in ONNX_OPTIMIZATIONS:
         raise ValueError(f"--onnx_optimization takes one of {', '.join(ONNX_OPTIMIZATIONS)}, got {onnx_optimization!r}")
-    if gen_tokens < 2 or prompt_len < 1 or prompt_len + gen_tokens > block_size or repeats < 1 or top_k < 1:
-        raise ValueError(f"need --gen_tokens >= 2, --prompt_len >= 1 with prompt_len + gen_tokens <= the context "
-                         f"({block_size}), --repeats >= 1 and --top_k >= 1")
+    if gen_tokens < 2 or prompt_len < 1 or repeats < 1 or top_k < 1:
+        raise ValueError("need --gen_tokens >= 2, --prompt_len >= 1, --repeats >= 1 and --top_k >= 1")
     return names, counts, stepped
 
 
@@ -105,9 +105,13 @@ def bench_checkpoint(folder):
 
 
 def exported(path, folder):
-    """The checkpoint as lab.export_hf writes it into folder -> (the project's model, its tokenizer's vocabulary)."""
+    """The checkpoint as lab.export_hf writes it into folder -> (the project's model, its tokenizer's vocabulary);
+    raises ValueError where the prompts and their tokens do not fit in its context."""
     from lab.export_hf import load, write
     model, checkpoint, path, loops = load(path, folder)
+    if prompt_len + max(gen_tokens, GREEDY_TOKENS) > model.config.block_size:
+        raise ValueError(f"--prompt_len + --gen_tokens (at least {GREEDY_TOKENS}) must fit in the model's context "
+                         f"({model.config.block_size})")
     with redirect_stdout(sys.stderr):
         write(model, checkpoint, path, folder, loops)
     from dataset import get_tokenizer
@@ -137,13 +141,13 @@ def transformers_engine(folder):
     return generate
 
 
-def vllm_engine(folder, most):
+def vllm_engine(folder, most, context):
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the bench's figures
     from lab.vllm_model import register
     register()
     from vllm import LLM, SamplingParams
-    llm = LLM(model=folder, trust_remote_code=True, dtype="float32", max_model_len=block_size,
+    llm = LLM(model=folder, trust_remote_code=True, dtype="float32", max_model_len=context,
               enforce_eager=vllm_eager, max_num_seqs=most, kv_cache_memory_bytes=256 * 2**20, seed=seed)
 
     def generate(prompts, tokens, greedy=False):
@@ -201,9 +205,9 @@ if __name__ == "__main__":
     try:
         names, counts, stepped = parsed_settings()
         if "vllm" in names:
-            require("vllm")
-        if "transformers" in names or "vllm" in names:
-            require("transformers", "safetensors")
+            from lab.vllm_model import INSTALL
+            require("vllm", install=INSTALL)
+        require("transformers", "safetensors", "tokenizers")  # every engine's model comes from the export_hf folder
         if "onnx" in names:
             require("onnx", "onnxruntime", "onnxscript")
     except ValueError as e:
@@ -216,9 +220,6 @@ if __name__ == "__main__":
         except (ValueError, FileNotFoundError) as e:
             die(str(e))
         cfg = model.config
-        if prompt_len + max(gen_tokens, GREEDY_TOKENS) > cfg.block_size:
-            die(f"--prompt_len + --gen_tokens (at least {GREEDY_TOKENS}) must fit in the model's context "
-                f"({cfg.block_size})")
         print(f"model: {path or 'the bench model, random weights'}: {cfg.n_layer} blocks x {cfg.n_loop} loops "
               f"({cfg.residual}), n_embd {cfg.n_embd}, {n_vocab} tokens, {model.num_params() / 1e6:.2f}M "
               f"parameters; float32 on {cpu_name()}, {torch.get_num_threads()} threads, load average "
@@ -235,11 +236,12 @@ if __name__ == "__main__":
         for name in names:
             t0 = time.perf_counter()
             if name == "onnx":
-                engines_of[name], onnx_run = onnx_engine(path or os.path.join(tmp, "ckpt.pt"), os.path.join(tmp, "onnx"))
+                checkpoint = path or os.path.join(tmp, "ckpt.pt")
+                engines_of[name], onnx_run = onnx_engine(checkpoint, os.path.join(tmp, "onnx"))
             else:
-                engines_of[name] = (vllm_engine(os.path.join(tmp, "hf"), max(counts)) if name == "vllm" else
-                                    project_engine(model, n_vocab) if name == "project" else
-                                    transformers_engine(os.path.join(tmp, "hf")))
+                hf = os.path.join(tmp, "hf")
+                engines_of[name] = (vllm_engine(hf, max(counts), cfg.block_size) if name == "vllm" else
+                                    project_engine(model, n_vocab) if name == "project" else transformers_engine(hf))
             started[name] = time.perf_counter() - t0
         greedy = {name: generate(prompts[:1], GREEDY_TOKENS, greedy=True)[0] for name, generate in engines_of.items()}
         agree = all(ids == greedy[names[0]] for ids in greedy.values())
