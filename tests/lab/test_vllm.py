@@ -300,8 +300,8 @@ def test_bad_input_is_one_line_before_vllm_starts(exports, tmp_path):
         (str(tmp_path / "none"),): f"error: {tmp_path / 'none'} holds no config.json: serve a folder that `python -m "
                                    f"lab.export_hf --out_dir=... --to={tmp_path / 'none'}` wrote",
         (f"{gpt2}-hf",): f"error: {gpt2}-hf is a ['GPT2LMHeadModel'] folder, not the looped export "
-                         f"(DeepLoopForCausalLM): a plain GPT-2 export (--gpt2=True) is served by `vllm serve {gpt2}-hf` "
-                         f"itself",
+                         f"(DeepLoopForCausalLM): lab.serve serves the looped export; export the checkpoint without "
+                         f"--gpt2=True to serve it here",
         (folder, "--hf-overrides", '{"n_loop": 2000}'): f"error: {folder}: n_loop must be a loop count from 1 to 1024 "
                                                         f"(model.MAX_LOOPS), got 2000 (set the loop count with "
                                                         f"hf_overrides, e.g. --hf-overrides '{{\"n_loop\": 4}}')",
@@ -326,7 +326,9 @@ def test_a_truncated_export_or_a_loop_count_of_another_type_is_refused_before_vl
     run = save_checkpoint(random_gpt(n_embd=64), tmp_path / "run")  # heads of 32 channels, which vLLM's CPU takes
     r = run_script("lab/export_hf.py", f"--out_dir={run}", f"--to={tmp_path / 'hf'}")
     assert r.returncode == 0, r.stderr
-    assert checked_arguments([str(tmp_path / "hf")])[:2] == ["--model", str(tmp_path / "hf")]
+    hf = str(tmp_path / "hf")  # float32 unless --dtype is given: vLLM's auto would take bfloat16 on a CPU
+    assert checked_arguments([hf]) == ["--model", hf, "--trust-remote-code", "--dtype", "float32"]
+    assert checked_arguments([hf, "--dtype=bfloat16"]) == ["--model", hf, "--dtype=bfloat16", "--trust-remote-code"]
     for overrides, kind in (('{"n_loop": 2.5}', "float 2.5"), ('{"n_loop": "two"}', "str 'two'"),
                             ('{"n_loop": true}', "bool True")):
         with pytest.raises(ValueError) as e:
