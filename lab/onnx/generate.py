@@ -102,8 +102,8 @@ def main():
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime's threads; 0: its choice")
     args = parser.parse_args()
-    if args.num_samples < 0 or args.max_new_tokens < 0 or args.top_k < 0 or not args.temperature > 0:
-        parser.error("--num_samples, --max_new_tokens and --top_k must be >= 0, --temperature > 0")
+    if min(args.num_samples, args.max_new_tokens, args.top_k, args.threads) < 0 or not args.temperature > 0:
+        parser.error("--num_samples, --max_new_tokens, --top_k and --threads must be >= 0, --temperature > 0")
     start = args.start
     if start.startswith("FILE:"):
         try:
@@ -111,7 +111,14 @@ def main():
                 start = f.read()
         except (OSError, UnicodeDecodeError) as e:
             parser.error(f"cannot read the prompt file {start[len('FILE:'):]} ({e}); name a UTF-8 text file")
-    generator = Generator(threads=args.threads)
+    try:
+        generator = Generator(threads=args.threads)
+    except ImportError as e:  # tiktoken, for a model of GPT-2 tokens
+        parser.error(f"this model's tokenizer needs {e.name} ({e}): pip install {e.name}")
+    except (OSError, ValueError, KeyError, ort.capi.onnxruntime_pybind11_state.Fail,
+            ort.capi.onnxruntime_pybind11_state.NoSuchFile, ort.capi.onnxruntime_pybind11_state.InvalidGraph) as e:
+        parser.error(f"cannot load the model beside this script in {HERE} ({type(e).__name__}: {e}); keep "
+                     f"generate.py in the folder lab.export_onnx wrote, or export it again")
     enc, config = generator.tokenizer, generator.config
     start = valid_text(start)
     idx = np.array([enc.encode_ordinary(start) or [config["eot_token"]]], dtype=np.int64)

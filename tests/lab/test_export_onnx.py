@@ -99,6 +99,22 @@ def test_script_runs_where_torch_cannot_be_imported(checkpoints, tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert run.stdout == sample_py(checkpoints["preln"], *args) and run.stdout.startswith(SENTENCE)
+    # and where it cannot run, one line: no tiktoken for GPT-2 tokens, the script away from its model, a bad setting
+    (stub.parent / "tiktoken").mkdir()
+    (stub.parent / "tiktoken" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'tiktoken'\", name='tiktoken')\n")
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    for name in ("generate.py", "dataset.py"):
+        shutil.copy(to / name, moved / name)
+    for cwd, extra, message in ((to, [], "this model's tokenizer needs tiktoken (No module named 'tiktoken'): pip "
+                                         "install tiktoken"),
+                                (moved, [], f"cannot load the model beside this script in {moved} (FileNotFoundError"),
+                                (to, ["--threads=-1"], "--num_samples, --max_new_tokens, --top_k and --threads must "
+                                                       "be >= 0, --temperature > 0")):
+        run = subprocess.run([sys.executable, "generate.py", *extra], cwd=cwd, env=env, capture_output=True,
+                             text=True, timeout=60)
+        assert run.returncode == 2 and "Traceback" not in run.stderr and message in run.stderr, run.stderr
 
 
 def test_seeded_sample_is_a_fixed_text(folders):
