@@ -301,7 +301,7 @@ if __name__ == "__main__":
         die(f"cannot load the task data ({' '.join(str(e).split())}); "
             f"{'run once with network access, or ' if offline else ''}check the task's dataset_path and data_files")
     print(f"{out_dir}/ckpt.pt: {cfg.n_layer} blocks x {cfg.n_loop} loops trained, evaluated with {loops} loops "
-          f"(unrolled depth {cfg.n_layer * loops}), tokenizer {enc.name}, iter {checkpoint.get('iter_num')}; "
+          f"(unrolled depth {cfg.depth(loops)}), tokenizer {enc.name}, iter {checkpoint.get('iter_num')}; "
           f"lm-eval {lm_eval_version}{' offline' if offline else ''}, {num_fewshot}-shot, {dtype} ({dtype_reason})",
           file=sys.stderr)
     results["config"].update(model_args=dict(out_dir=out_dir, iter_num=checkpoint.get("iter_num"), dtype=dtype))

@@ -2,9 +2,9 @@
 A checkpoint of this project as a folder that the Hugging Face ecosystem loads, optionally uploaded to the hub.
 
     python -m lab.export_hf --out_dir=out-smoke --to=hf-smoke                    # the looped model, its own code
-    python -m lab.export_hf --out_dir=out-smoke/ckpt.pt --to=hf-smoke --n_loop=4  # 4 loops by default
+    python -m lab.export_hf --out_dir=out-smoke/ckpt.pt --to=hf-smoke-4 --n_loop=4  # 4 loops by default
     python -m lab.export_hf --out_dir=out-pre --to=hf-pre-gpt2 --gpt2=True       # a plain GPT-2 (Pre-LN models)
-    python -m lab.export_hf --out_dir=out-smoke --to=hf-smoke --push_to_hub=owner/name
+    python -m lab.export_hf --out_dir=out-smoke --to=hf-smoke-hub --push_to_hub=owner/name
 
 The looped model (the default) loads with
 
