@@ -73,9 +73,11 @@ def branch_scale(residual, n_blocks, n_loop, lam=1.0):
     return lam / (n_loop * math.sqrt(n_blocks))
 
 
-def check_loops(n_loop):
-    if not 1 <= n_loop <= MAX_LOOPS:
-        raise ValueError(f"n_loop must be a loop count from 1 to {MAX_LOOPS} (model.MAX_LOOPS), got {n_loop}")
+def check_loops(n_loop, zero_is_trained=False):
+    """Raises on a loop count outside 1..MAX_LOOPS; zero_is_trained: 0 passes too (a script's "the trained count")."""
+    if not (1 <= n_loop <= MAX_LOOPS or zero_is_trained and n_loop == 0):
+        raise ValueError(f"n_loop must be a loop count from 1 to {MAX_LOOPS} (model.MAX_LOOPS)"
+                         f"{', or 0 (the trained one)' if zero_is_trained else ''}, got {n_loop}")
 
 
 @dataclass

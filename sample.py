@@ -23,7 +23,7 @@ import torch
 from runtime import check_device, compile_decode_step, compiled_step_runs, precision, tune_malloc
 from configurator import configure, die, read_text
 from dataset import get_tokenizer, valid_text
-from model import MAX_LOOPS
+from model import check_loops
 from guard import load_checkpoint
 
 LAB = globals().get("LAB")  # the seam (above): lab/sample.py's Lab under python -m lab.sample
@@ -59,13 +59,13 @@ compile_step = False
 configure(globals(), sys.argv[1:], extra=LAB and LAB.settings)
 tune_malloc()  # before the first large allocation (runtime.tune_malloc)
 
-for name, value in (("num_samples", num_samples), ("max_new_tokens", max_new_tokens), ("top_k", top_k),
-                    ("n_loop", n_loop)):
+for name, value in (("num_samples", num_samples), ("max_new_tokens", max_new_tokens), ("top_k", top_k)):
     if value < 0:
         die(f"--{name} must be >= 0, got {value}")
-if n_loop > MAX_LOOPS:
-    die(f"--n_loop must be a loop count from 1 to {MAX_LOOPS} (model.MAX_LOOPS), or 0 (the trained one), got "
-        f"{n_loop}")
+try:
+    check_loops(n_loop, zero_is_trained=True)
+except ValueError as e:
+    die(f"--{e}")
 if temperature <= 0:
     die(f"--temperature must be > 0, got {temperature} (use --top_k=1 for greedy decoding)")
 if compile_step and (compile or not use_cache):

@@ -60,7 +60,7 @@ from tqdm import tqdm
 from configurator import configure, die
 from runtime import check_device, precision, tune_malloc
 from dataset import get_tokenizer
-from model import MAX_LOOPS
+from model import check_loops
 from guard import load_checkpoint
 from lab.tasks import require_text
 
@@ -231,12 +231,13 @@ def results_path(out_dir, task_names, num_fewshot, loops, iter_num, limit):
 if __name__ == "__main__":
     configure(globals(), sys.argv[1:])
     tune_malloc()  # before the first large allocation (runtime.tune_malloc)
-    for name, value in (("limit", limit), ("n_loop", n_loop), ("num_fewshot", num_fewshot)):
+    for name, value in (("limit", limit), ("num_fewshot", num_fewshot)):
         if value < 0:
             die(f"--{name} must be >= 0, got {value}")
-    if n_loop > MAX_LOOPS:
-        die(f"--n_loop must be a loop count from 1 to {MAX_LOOPS} (model.MAX_LOOPS), or 0 (the trained one), got "
-            f"{n_loop}")
+    try:
+        check_loops(n_loop, zero_is_trained=True)
+    except ValueError as e:
+        die(f"--{e}")
     if batch_size < 1:
         die(f"--batch_size must be >= 1, got {batch_size}")
     task_names = [t.strip() for t in tasks.split(",") if t.strip()]

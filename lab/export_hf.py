@@ -47,7 +47,7 @@ import torch
 from configurator import configure, die
 from lab import require
 from dataset import get_tokenizer
-from model import MAX_LOOPS, PRE_LN
+from model import MAX_LOOPS, PRE_LN, check_loops
 from guard import load_checkpoint
 from lab.tasks import require_text
 
@@ -83,9 +83,10 @@ def load(out_dir, to, gpt2=False, n_loop=0):
     FileNotFoundError with a message that names the fix; writes nothing."""
     if not to:
         raise ValueError("--to is empty: name the folder to write, e.g. --to=hf-smoke")
-    if not 0 <= n_loop <= MAX_LOOPS:
-        raise ValueError(f"--n_loop must be a loop count from 1 to {MAX_LOOPS} (model.MAX_LOOPS), or 0 (the trained "
-                         f"one), got {n_loop}")
+    try:
+        check_loops(n_loop, zero_is_trained=True)
+    except ValueError as e:
+        raise ValueError(f"--{e}") from None
     if os.path.exists(to) and not (os.path.isdir(to) and not os.listdir(to)):
         raise ValueError(f"{to} exists and is not an empty folder: choose another --to, or delete it first")
     above = os.path.dirname(os.path.abspath(to))

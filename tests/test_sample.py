@@ -290,7 +290,8 @@ def test_ctrl_c_ends_sampling_with_one_line_and_the_shells_code(bytes_run, tmp_p
     (["--kv_cache=last"], "--kv_cache must be one of per_visit, last_loop, got 'last'"),
     (["--exit_threshold=1e-3", "--use_cache=False"],
      "--exit_threshold and --kv_cache=last_loop work on the KV cache: drop --use_cache=False"),
-    (["--n_loop=-1", "--exit_threshold=1e-3"], "--n_loop must be >= 0, got -1"),
+    (["--n_loop=-1", "--exit_threshold=1e-3"], "--n_loop must be a loop count from 1 to 1024 (model.MAX_LOOPS), or 0 "
+                                               "(the trained one), got -1"),
     (["--compile_step=True", "--exit_threshold=1e-3"], "--compile_step compiles the plain decode step: with "
      "--exit_threshold or --kv_cache=last_loop use --compile=True, which compiles the blocks"),
     (["--compile_step=True", "--use_cache=False"],
