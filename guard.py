@@ -272,6 +272,16 @@ def resume_mismatch(ckpt_path, checkpoint, model, model_args, meta, dataset, tas
     return None
 
 
+def batches_changed(checkpoint, settings):
+    """A note where a resume reads other batches than the run it resumes would have (a line), or None: the batches are
+    a function of these settings and the step, so another value reads other text from here on, by choice or not."""
+    changed = [f"{k}={settings[k]!r} (the run's: {checkpoint['config'][k]!r})"
+               for k in ("dataset", "seed", "batch_size", "gradient_accumulation_steps")
+               if checkpoint["config"].get(k, settings[k]) != settings[k]]
+    return f"note: resuming with {', '.join(changed)}: the batches from here on are not an uninterrupted run's" \
+        if changed else None
+
+
 def load_checkpoint(path, device="cpu"):
     """A checkpoint of train.py -> (model.GPT on device, the checkpoint dict), read onto the CPU (its optimizer state
     takes no device memory), weights_only (never running code from the file). Raises saying what to do."""

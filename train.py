@@ -129,8 +129,7 @@ tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 device_type = device.split(":")[0]
 compile = device_type == "cuda" if compile is None else compile
 if device_type == "cpu":
-    # deep Post-LN stacks make denormal gradients early on, many times slower on CPUs (2 x 32 loops: 5.1 s a step,
-    # 0.44 s with denormals flushed)
+    # deep Post-LN stacks make denormal gradients early on, 11x slower on CPUs (2 x 32 loops: 5.1 s a step, 0.44 s)
     torch.set_flush_denormal(True)
 
 
@@ -198,12 +197,8 @@ if init_from == "resume":
     elif master and dropout > 0:
         print(f"note: {ckpt_path} was written by {len(checkpoint['rng'])} processes, this run has {world_size}; "
               f"dropout masks will differ from an uninterrupted run")
-    # the batches are a function of these and the step: another value reads other text from here on, by choice or not
-    moved = [f"{k}={globals()[k]!r} (the run's: {checkpoint['config'][k]!r})"
-             for k in ("dataset", "seed", "batch_size", "gradient_accumulation_steps")
-             if checkpoint["config"].get(k, globals()[k]) != globals()[k]]
-    if master and moved:
-        print(f"note: resuming with {', '.join(moved)}: the batches from here on are not an uninterrupted run's")
+    if master and (note := guard.batches_changed(checkpoint, {k: globals()[k] for k in config})):
+        print(note)
     del checkpoint  # frees its copy of the weights and optimizer state
 if compile:
     raw_model.compile_blocks()  # in place, every block and the loss: one graph serves every loop count
@@ -344,8 +339,7 @@ while True:
         best_val_loss = min(best_val_loss, losses["val"])  # travels in the checkpoint for information
         if master:
             log_eval(losses)
-        # after the record: a checkpoint that says "evaluated" has its record written, and a run killed between the two
-        # resumes from the checkpoint before, whose resume removes this record and writes it again (guard.MetricsLog)
+        # after the record, so that an "evaluated" checkpoint has one (a kill between resumes from the one before)
         save_checkpoint(evaluated=True)
         window_start, window_steps, window_flops = time.perf_counter(), 0, 0  # evaluation time is not in tokens/s, MFU
         # a signal during the diagnostics or the write stops here: ckpt.pt holds this step, and another step would
