@@ -60,9 +60,8 @@ def residual_coefficients(residual, unrolled_depth, exponent=0.0):
 
 def branch_scale(residual, n_blocks, n_loop, lam=1.0):
     """epsilon of a Pre-LN block x = x + epsilon * f(Norm(x)): lam / (n_loop * sqrt(n_blocks)) for preln_scaled, the
-    rival rule (arXiv 2606.18524: a looped block's visits make correlated updates), 1 for every other scheme. n_blocks
-    counts the distinct blocks, prelude and coda too; the rule has no prelude or coda of its own, and here every block,
-    looped or not, gets the one epsilon."""
+    rival rule (arXiv 2606.18524: a looped block's visits make correlated updates), 1 for every other scheme. n_blocks:
+    the distinct blocks, prelude and coda too, whose epsilon is the looped core's (the rule has none of its own)."""
     if not 0 < lam < math.inf:
         raise ValueError(f"residual_lambda must be a positive number (the paper's lambda, 1 by default), got {lam}")
     if residual != "preln_scaled":
@@ -73,8 +72,7 @@ def branch_scale(residual, n_blocks, n_loop, lam=1.0):
     return lam / (n_loop * math.sqrt(n_blocks))
 
 
-def check_loops(n_loop, zero_is_trained=False):
-    """Raises on a loop count outside 1..MAX_LOOPS; zero_is_trained: 0 passes too (a script's "the trained count")."""
+def check_loops(n_loop, zero_is_trained=False):  # zero_is_trained: 0 passes too, a script's "the trained count"
     if not (1 <= n_loop <= MAX_LOOPS or zero_is_trained and n_loop == 0):
         raise ValueError(f"n_loop must be a loop count from 1 to {MAX_LOOPS} (model.MAX_LOOPS)"
                          f"{', or 0 (the trained one)' if zero_is_trained else ''}, got {n_loop}")
@@ -135,15 +133,13 @@ class GPTConfig:
 
     @property
     def coefficient_depth(self):
-        """The N that alpha, beta and Pre-LN's scaled init are set for: the unrolled depth at coefficient_loops loops
-        (a model trained for one depth and run at others), or at n_loop."""
+        """The N of alpha, beta and Pre-LN's scaled init: the unrolled depth at coefficient_loops (0: n_loop) loops."""
         return self.depth(self.coefficient_loops or self.n_loop)
 
     def coefficients(self):
-        """(alpha, beta, epsilon) of the model at coefficient_depth."""
+        """(alpha, beta, epsilon) of the model at coefficient_depth; epsilon over the distinct blocks, depth(1)."""
         return (*residual_coefficients(self.residual, self.coefficient_depth, self.residual_exponent),
-                branch_scale(self.residual, self.depth(1), self.coefficient_loops or self.n_loop,
-                             self.residual_lambda))  # depth(1): distinct blocks
+                branch_scale(self.residual, self.depth(1), self.coefficient_loops or self.n_loop, self.residual_lambda))
 
 
 def make_norm(config):
