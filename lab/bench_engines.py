@@ -215,8 +215,9 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory(prefix="bench_engines.") as tmp:
         try:
             from lab.export_hf import checkpoint_path
-            path = out_dir and checkpoint_path(out_dir)
-            model, n_vocab = exported(path or bench_checkpoint(tmp), os.path.join(tmp, "hf"))
+            path, hf = out_dir and checkpoint_path(out_dir), os.path.join(tmp, "hf")
+            checkpoint = path or bench_checkpoint(tmp)
+            model, n_vocab = exported(checkpoint, hf)
         except (ValueError, FileNotFoundError) as e:
             die(str(e))
         cfg = model.config
@@ -236,10 +237,8 @@ if __name__ == "__main__":
         for name in names:
             t0 = time.perf_counter()
             if name == "onnx":
-                checkpoint = path or os.path.join(tmp, "ckpt.pt")
                 engines_of[name], onnx_run = onnx_engine(checkpoint, os.path.join(tmp, "onnx"))
             else:
-                hf = os.path.join(tmp, "hf")
                 engines_of[name] = (vllm_engine(hf, max(counts), cfg.block_size) if name == "vllm" else
                                     project_engine(model, n_vocab) if name == "project" else transformers_engine(hf))
             started[name] = time.perf_counter() - t0
