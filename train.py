@@ -197,7 +197,7 @@ if init_from == "resume":
     elif master and dropout > 0:
         print(f"note: {ckpt_path} was written by {len(checkpoint['rng'])} processes, this run has {world_size}; "
               f"dropout masks will differ from an uninterrupted run")
-    if master and (note := guard.batches_changed(checkpoint, {k: globals()[k] for k in config})):
+    if master and (note := guard.batches_changed(checkpoint, config)):
         print(note)
     del checkpoint  # frees its copy of the weights and optimizer state
 if compile:
