@@ -295,7 +295,7 @@ def test_sigkill_leaves_a_loadable_checkpoint(workdir):
         proc.kill()  # SIGKILL: no cleanup of any kind
         proc.wait()
     step = load(workdir / "killed")["iter_num"]
-    assert step >= 2
+    assert step >= 1  # the third evaluation's record (step 2) is written before its checkpoint: step 1 at least
     # the dead run's lock file stays, naming it, and blocks nothing: the OS dropped its lock with the process
     assert (workdir / "killed" / "train.lock").read_text().startswith(f"pid {proc.pid} ")
     train(workdir, "--out_dir=killed", "--init_from=resume", f"--max_iters={step + 1}", "--eval_interval=1")
